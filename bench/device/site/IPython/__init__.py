@@ -1,0 +1,1 @@
+"""Stand-in: SGLang imports IPython.display at module import only."""

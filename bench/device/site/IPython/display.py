@@ -1,0 +1,6 @@
+def display(*args, **kwargs):
+    pass
+
+
+class HTML(str):
+    pass

@@ -1,0 +1,5 @@
+"""Imports every module that registers seams, in installation order."""
+
+
+def load() -> None:
+    from rimuru_patches import cpu_platform, request_validation  # noqa: F401

@@ -1,0 +1,169 @@
+"""The launcher behind ``python -m sglang_rimuru.launch_server``.
+
+Order matters: the device is known before SGLang is imported (on CPU the
+process environment and the ``sgl_kernel`` stand-in must be in place first);
+then SGLang's parser and the project's parse one command line together;
+then cheap checks that would otherwise surface as stack traces deep inside
+SGLang (a missing model, a busy port, a missing seam target) end the start
+with one line and a non-zero exit, before any weight is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import re
+import socket
+import sys
+
+from rimuru_patches.context import ProcessContext
+
+PROG = "python -m sglang_rimuru.launch_server"
+
+logger = logging.getLogger("sglang_rimuru")
+
+
+class LaunchError(Exception):
+    """A problem with the command line or the machine, reported in one line."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (not SGLang's 400-flag usage dump)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise LaunchError(f"{message} (see --help)")
+
+
+def _peek(argv: list[str]) -> argparse.Namespace:
+    """The few flags needed before SGLang may be imported."""
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--device", default=None)
+    peek.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1)
+    peek.add_argument("--model-path", "--model", default=None)
+    try:
+        known, _ = peek.parse_known_args(argv)
+    except SystemExit:  # malformed values are reported by the full parser
+        known = argparse.Namespace(device=None, tp_size=1, model_path=None)
+    return known
+
+
+def _detect_device(requested: str | None) -> str:
+    if requested:
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_model_path(path: str) -> None:
+    """A local directory, or a hub id (``org/name``) when a hub is reachable."""
+    if os.path.isdir(path):
+        return
+    is_hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None and not os.path.exists(path.split("/")[0])
+    if not is_hub_id or os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise LaunchError(f"--model-path {path!r} does not exist (no such directory)")
+
+
+def _check_port(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise LaunchError(f"--port {port}: address {host}:{port} is already in use") from None
+            raise LaunchError(f"--host {host} --port {port}: cannot listen there ({exc.strerror})") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """SGLang's flags and the project's, in one parser (imports SGLang)."""
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_rimuru.config import RimuruConfig
+
+    parser = _OneLineParser(
+        prog=PROG,
+        description="SGLang's HTTP / OpenAI-compatible server for MoE models, with "
+        "sglang-rimuru's unified expert/KV page pool. Every SGLang flag works unchanged.",
+    )
+    ServerArgs.add_cli_args(parser)
+    RimuruConfig.add_cli_args(parser)
+    return parser
+
+
+def prepare(argv: list[str]):
+    """Parse and check the command line; install this process's seams.
+
+    Returns ``(server_args, rimuru_config)``; raises :class:`LaunchError`.
+    """
+    peek = _peek(argv)
+    device = _detect_device(peek.device)
+    argv = list(argv)
+    if peek.device is None:
+        argv += ["--device", device]
+    if peek.model_path is None and not any(a in ("-h", "--help") for a in argv):
+        from sglang_rimuru.models import default_model_path
+
+        argv += ["--model-path", str(default_model_path())]
+    from sglang_rimuru.config import RimuruConfig
+
+    ctx = ProcessContext(device=device, tp_size=peek.tp_size)
+    if ctx.on_cpu:
+        from rimuru_patches import cpu_platform
+
+        argv += cpu_platform.default_cli_args(argv)
+    # Publish before importing SGLang: spawned children inherit the environment.
+    ctx.publish()
+    from rimuru_patches import seams
+    from rimuru_patches.bootstrap import bootstrap_process
+
+    try:
+        bootstrap_process(ctx)
+    except seams.SeamTargetMissing as exc:
+        raise LaunchError(str(exc)) from None
+
+    parser = build_parser()
+    args = parser.parse_args(argv)  # --help prints and exits here
+    try:
+        config = RimuruConfig.from_cli_args(args)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    ctx = ProcessContext(device=device, tp_size=args.tp_size, rimuru=config.to_dict())
+    ctx.publish()
+
+    _check_model_path(args.model_path)
+    _check_port(args.host, args.port)
+
+    from sglang.srt.server_args import ServerArgs
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="[%(asctime)s] %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        force=True,
+    )
+    try:
+        server_args = ServerArgs.from_cli_args(args)
+    except (ValueError, AssertionError, NotImplementedError) as exc:
+        raise LaunchError(f"invalid server arguments: {exc}") from None
+    return server_args, config
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        server_args, config = prepare(argv)
+    except LaunchError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    from sglang.launch_server import run_server
+    from sglang.srt.utils import kill_process_tree
+
+    logger.info("sglang-rimuru: mode=%s device=%s tp=%d", config.mode, server_args.device, server_args.tp_size)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+    return 0
