@@ -9,6 +9,9 @@ if [ ! -d /tmp/site/sglang ]; then
 fi
 export PYTHONPATH="$PWD/bench/device/site:/tmp/site:$PWD:$PWD/kernels:$PWD/patches:${PYTHONPATH:-}"
 export PYTHONUNBUFFERED=1
+# flashinfer is a stand-in there: keep SGLang's flashinfer-only imports off
+# (it still calls the stand-in's RMSNorm).
+export SGLANG_IS_FLASHINFER_AVAILABLE=false
 # SGLang flags that work there (DEVICE_NOTES.md): no flashinfer, no CUDA graph.
 export RIMURU_DEVICE_FLAGS="--attention-backend triton --sampling-backend pytorch --disable-cuda-graph --grammar-backend none --disable-overlap-schedule"
 set +e

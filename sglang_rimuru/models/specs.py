@@ -101,7 +101,9 @@ MODELS: dict[str, ModelSpec] = {
             kind="tiny",
             architecture="Qwen3MoeForCausalLM",
             description="random Qwen3-MoE, 2 layers, 8 experts top-2, byte tokenizer",
-            config=dict(_TINY_COMMON, head_dim=16, norm_topk_prob=True),
+            # head_dim 64: SGLang's CUDA rotary kernels take head sizes 64/128/256/512
+            # only; others hit a fallback that breaks fused KV writes on GPU.
+            config=dict(_TINY_COMMON, head_dim=64, norm_topk_prob=True),
             tokenizer="bytes",
             eos_token="<|im_end|>",
         ),
@@ -110,7 +112,15 @@ MODELS: dict[str, ModelSpec] = {
             kind="tiny",
             architecture="Qwen2MoeForCausalLM",
             description="random Qwen2-MoE with a shared expert, 2 layers, 8 experts top-2, byte tokenizer",
-            config=dict(_TINY_COMMON, shared_expert_intermediate_size=64, norm_topk_prob=False),
+            # Qwen2-MoE derives head_dim = hidden / heads: 128 / 2 = 64 (see above).
+            config=dict(
+                _TINY_COMMON,
+                hidden_size=128,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                shared_expert_intermediate_size=64,
+                norm_topk_prob=False,
+            ),
             tokenizer="bytes",
             eos_token="<|im_end|>",
         ),

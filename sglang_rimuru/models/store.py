@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_SEED = 0
 STAMP_FILE = "rimuru_model.json"
 # Bumped whenever the bytes written for a (name, seed) change; older caches are rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def cache_root() -> Path:

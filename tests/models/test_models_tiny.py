@@ -52,9 +52,11 @@ def test_config_has_the_specified_sizes(model_paths, name):
         bos_token_id=256,
         eos_token_id=258,
     )
+    if name == "tiny-qwen2-moe":  # head_dim = hidden / heads must be 64 (SGLang CUDA rope)
+        expected.update(hidden_size=128, num_attention_heads=2, num_key_value_heads=2)
     assert {k: cfg[k] for k in expected} == expected
     if name == "tiny-qwen3-moe":
-        assert (cfg["model_type"], cfg["head_dim"], cfg["norm_topk_prob"]) == ("qwen3_moe", 16, True)
+        assert (cfg["model_type"], cfg["head_dim"], cfg["norm_topk_prob"]) == ("qwen3_moe", 64, True)
     else:
         assert (cfg["model_type"], cfg["shared_expert_intermediate_size"]) == ("qwen2_moe", 64)
     gen = json.loads((model_paths[name] / "generation_config.json").read_text())
@@ -65,6 +67,7 @@ def test_config_has_the_specified_sizes(model_paths, name):
 @pytest.mark.parametrize("name", TINY)
 def test_checkpoint_has_per_expert_keys(model_paths, name):
     path = model_paths[name]
+    H = json.loads((path / "config.json").read_text())["hidden_size"]
     assert sorted(p.name for p in path.glob("*.safetensors")) == ["model.safetensors"]
     assert not (path / "model.safetensors.index.json").exists()
     with safe_open(str(path / "model.safetensors"), "pt") as f:
@@ -75,20 +78,20 @@ def test_checkpoint_has_per_expert_keys(model_paths, name):
     assert not [k for k in shapes if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
     for layer in range(2):
         prefix = f"model.layers.{layer}.mlp"
-        assert shapes[f"{prefix}.gate.weight"] == (8, 64)
+        assert shapes[f"{prefix}.gate.weight"] == (8, H)
         for e in range(8):
-            assert shapes[f"{prefix}.experts.{e}.gate_proj.weight"] == (32, 64)
-            assert shapes[f"{prefix}.experts.{e}.up_proj.weight"] == (32, 64)
-            assert shapes[f"{prefix}.experts.{e}.down_proj.weight"] == (64, 32)
+            assert shapes[f"{prefix}.experts.{e}.gate_proj.weight"] == (32, H)
+            assert shapes[f"{prefix}.experts.{e}.up_proj.weight"] == (32, H)
+            assert shapes[f"{prefix}.experts.{e}.down_proj.weight"] == (H, 32)
         assert f"{prefix}.experts.8.gate_proj.weight" not in shapes
         if name == "tiny-qwen2-moe":
-            assert shapes[f"{prefix}.shared_expert.gate_proj.weight"] == (64, 64)
-            assert shapes[f"{prefix}.shared_expert.down_proj.weight"] == (64, 64)
-            assert shapes[f"{prefix}.shared_expert_gate.weight"] == (1, 64)
-            assert shapes[f"model.layers.{layer}.self_attn.q_proj.bias"] == (64,)
+            assert shapes[f"{prefix}.shared_expert.gate_proj.weight"] == (64, H)
+            assert shapes[f"{prefix}.shared_expert.down_proj.weight"] == (H, 64)
+            assert shapes[f"{prefix}.shared_expert_gate.weight"] == (1, H)
+            assert shapes[f"model.layers.{layer}.self_attn.q_proj.bias"] == (H,)
         else:
-            assert shapes[f"model.layers.{layer}.self_attn.q_norm.weight"] == (16,)
-    assert shapes["lm_head.weight"] == shapes["model.embed_tokens.weight"] == (320, 64)
+            assert shapes[f"model.layers.{layer}.self_attn.q_norm.weight"] == (64,)
+    assert shapes["lm_head.weight"] == shapes["model.embed_tokens.weight"] == (320, H)
     n_expert_keys = sum(".experts." in k for k in shapes)
     assert n_expert_keys == 2 * 8 * 3
 
