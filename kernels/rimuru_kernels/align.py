@@ -1,0 +1,167 @@
+"""Token slots grouped by expert and padded to the GEMM's BLOCK_SIZE_M.
+
+The output format is SGLang's ``moe_align_block_size``: the GEMM kernel takes
+one M-block of ``sorted_token_ids`` at a time, all of one expert
+(``expert_ids[block]``). Two implementations with the same output exactly:
+torch (reference, CPU and CUDA) and Triton (what the launcher uses).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+class AlignedTokens(NamedTuple):
+    """Token slots grouped by expert, each expert's group padded to block_size.
+
+    sorted_token_ids: int32 [max_padded]; flat (token * top_k + slot) indices;
+        padding entries hold ``topk_ids.numel()``.
+    expert_ids: int32 [cdiv(max_padded, block_size)]; the expert of each block,
+        -1 for blocks at or past ``num_tokens_post_padded``.
+    num_tokens_post_padded: int32 [1]; the used length of sorted_token_ids.
+    """
+
+    sorted_token_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    num_tokens_post_padded: torch.Tensor
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, block_size: int, num_experts: int
+) -> AlignedTokens:
+    """Group the flat token slots of ``topk_ids`` by expert, padded to block_size.
+
+    Slots of one expert keep their flat order (deterministic). Torch only, no
+    host sync (CUDA-graph capturable); ids outside [0, num_experts) are not
+    checked here. Buffers are sized for the worst case,
+    ``n + min(n, E) * (block_size - 1)`` entries for n = topk_ids.numel();
+    ``num_tokens_post_padded`` says how much is used.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    max_padded = n + min(n, num_experts) * (block_size - 1)
+    max_blocks = triton.cdiv(max_padded, block_size)
+
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_size - 1) // block_size * block_size
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    count_start = torch.cumsum(counts, 0) - counts
+
+    order = torch.sort(flat, stable=True).indices
+    sorted_experts = flat[order]
+    rank = torch.arange(n, device=device) - count_start[sorted_experts]
+    sorted_token_ids = torch.full((max_padded,), n, dtype=torch.int32, device=device)
+    sorted_token_ids[padded_start[sorted_experts] + rank] = order.to(torch.int32)
+
+    num_post = padded_end[-1:] if num_experts > 0 else counts.new_zeros(1)
+    block_start = torch.arange(max_blocks, device=device) * block_size
+    expert_ids = torch.searchsorted(padded_end, block_start, right=True)
+    expert_ids = torch.where(block_start < num_post, expert_ids, -1)
+    return AlignedTokens(
+        sorted_token_ids, expert_ids.to(torch.int32), num_post.to(torch.int32)
+    )
+
+
+@triton.jit
+def _align_count_kernel(ids_ptr, counts_ptr, n, BLOCK: tl.constexpr):
+    """counts[e] = number of slots routed to expert e; one program per expert."""
+    e = tl.program_id(axis=0)
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1)
+        acc += (ids == e).to(tl.int32)
+    tl.store(counts_ptr + e, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _align_scatter_kernel(
+    ids_ptr,
+    counts_ptr,
+    sorted_token_ids_ptr,
+    expert_ids_ptr,
+    num_tokens_post_padded_ptr,
+    n,
+    E,
+    max_padded,
+    max_blocks,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program e writes expert e's slots (in flat order), their padding and
+    block expert ids; program 0 also writes the total and the unused tail."""
+    e = tl.program_id(axis=0)
+    offs_e = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
+    padded = (counts + BLOCK_SIZE_M - 1) // BLOCK_SIZE_M * BLOCK_SIZE_M
+    start_e = tl.sum(tl.where(offs_e < e, padded, 0), axis=0)
+    count_e = tl.sum(tl.where(offs_e == e, counts, 0), axis=0)
+    end_e = start_e + tl.sum(tl.where(offs_e == e, padded, 0), axis=0)
+
+    pos = start_e
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        hit = tl.load(ids_ptr + offs, mask=offs < n, other=-1) == e
+        dst = pos + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+        tl.store(sorted_token_ids_ptr + dst, offs, mask=hit)
+        pos += tl.sum(hit.to(tl.int32), axis=0)
+    pad = start_e + count_e + tl.arange(0, BLOCK_SIZE_M)
+    tl.store(sorted_token_ids_ptr + pad, tl.zeros_like(pad) + n, mask=pad < end_e)
+    for b0 in range(start_e // BLOCK_SIZE_M, end_e // BLOCK_SIZE_M, BLOCK):
+        b = b0 + tl.arange(0, BLOCK)
+        tl.store(expert_ids_ptr + b, tl.zeros_like(b) + e, mask=b < end_e // BLOCK_SIZE_M)
+
+    if e == 0:
+        total = tl.sum(padded, axis=0)
+        tl.store(num_tokens_post_padded_ptr, total)
+        for t0 in range(total, max_padded, BLOCK):
+            t = t0 + tl.arange(0, BLOCK)
+            tl.store(sorted_token_ids_ptr + t, tl.zeros_like(t) + n, mask=t < max_padded)
+        for b0 in range(total // BLOCK_SIZE_M, max_blocks, BLOCK):
+            b = b0 + tl.arange(0, BLOCK)
+            tl.store(expert_ids_ptr + b, tl.zeros_like(b) - 1, mask=b < max_blocks)
+
+
+def moe_align_block_size_triton(
+    topk_ids: torch.Tensor, block_size: int, num_experts: int
+) -> AlignedTokens:
+    """``moe_align_block_size`` in two Triton launches, the same output exactly.
+
+    One program per expert scans all slots (E * n loads, fine up to ~10^6
+    slots), so a launch costs a few microseconds in decode instead of ~20 torch
+    ops (the launcher uses this one).
+    """
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    if flat.dtype != torch.int32:
+        flat = flat.to(torch.int32)
+    n = flat.numel()
+    max_padded = n + min(n, num_experts) * (block_size - 1)
+    max_blocks = triton.cdiv(max_padded, block_size)
+    sorted_token_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_post = torch.empty(1, dtype=torch.int32, device=device)
+    if num_experts == 0:
+        return AlignedTokens(sorted_token_ids, expert_ids, num_post.zero_())
+    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    _align_count_kernel[(num_experts,)](flat, counts, n, BLOCK=1024)
+    _align_scatter_kernel[(num_experts,)](
+        flat, counts, sorted_token_ids, expert_ids, num_post,
+        n, num_experts, max_padded, max_blocks,
+        BLOCK_SIZE_M=block_size,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK=1024,
+    )
+    return AlignedTokens(sorted_token_ids, expert_ids, num_post)

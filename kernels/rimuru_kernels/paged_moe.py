@@ -1,0 +1,348 @@
+"""Fused MoE over expert weights scattered in the pages of one pool.
+
+Pool layout (DESIGN.md section 4)::
+
+    pool: 1-D tensor, the pool's bytes viewed as the weight dtype
+    page p: elements [p * page_elems, p * page_elems + page_elems)
+    page_table[e] = (W1 page, W3 page, W2 page), int32, -1 = not present
+    W1 (gate) and W3 (up): [I, H] row-major at the start of their page
+    W2 (down):             [H, I] row-major at the start of its page
+
+Gate/up GEMM, output column n in [0, 2I) of expert e, hidden element t::
+
+    addr(n, t) = pool + page_table[e, n // I] * page_elems + (n % I) * H + t
+
+Down GEMM, output column n in [0, H), intermediate element t::
+
+    addr(n, t) = pool + page_table[e, 2] * page_elems + n * I + t
+
+Both GEMMs are one kernel: output column n of a GEMM with ``rows_per_page``
+rows per weight page reads slot ``SLOT_BASE + n // rows_per_page`` of the
+expert's page-table row (SLOT_BASE 0, rows_per_page I for gate/up; SLOT_BASE 2,
+rows_per_page H for down). The lookup is done once per output tile for its
+column vector; inside a page the K loop strides as SGLang's fused_moe_kernel
+does over a contiguous [E, N, K] tensor.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .align import moe_align_block_size_triton
+from .moe_config import get_paged_moe_config
+
+# Decided when this module is imported: triton.jit reads TRITON_INTERPRET then.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M")
+
+
+class ExpertNotResidentError(ValueError):
+    """A routed expert has page id -1 in the page table (validate mode only)."""
+
+
+# ---------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_moe_gemm_kernel(
+    a_ptr,
+    pool_ptr,
+    c_ptr,
+    page_table_ptr,
+    topk_weights_ptr,
+    sorted_token_ids_ptr,
+    expert_ids_ptr,
+    num_tokens_post_padded_ptr,
+    N,
+    K,
+    EM,
+    num_valid_tokens,
+    rows_per_page,
+    page_elems,
+    stride_am,
+    stride_cm,
+    stride_pt,
+    SLOT_BASE: tl.constexpr,
+    TOP_K: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+):
+    """C[tok, n] = sum_t A[tok // TOP_K, t] * W_e(n, t)  (times routing weight).
+
+    One program per (M-block of sorted token slots, N-block of output columns);
+    grouped ordering of the program ids for L2 reuse.
+    """
+    pid = tl.program_id(axis=0)
+    num_pid_m = tl.cdiv(EM, BLOCK_SIZE_M)
+    num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
+    num_pid_in_group = GROUP_SIZE_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_SIZE_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
+    if pid_m * BLOCK_SIZE_M >= num_tokens_post_padded:
+        return
+
+    offs_tok_id = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M).to(tl.int64)
+    tok = tl.load(sorted_token_ids_ptr + offs_tok_id).to(tl.int64)
+    tok_mask = tok < num_valid_tokens
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+
+    # Page lookup, once per tile: which page and row each output column reads.
+    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    n_mask = offs_n < N
+    n = tl.where(n_mask, offs_n, 0)
+    slot = SLOT_BASE + n // rows_per_page
+    row = (n % rows_per_page).to(tl.int64)
+    page = tl.load(page_table_ptr + expert * stride_pt + slot).to(tl.int64)
+    page_ok = page >= 0
+    # A page of -1 reads page 0 (in bounds) and its columns are zeroed below.
+    col_base = tl.where(page_ok, page, 0) * page_elems + row * K
+
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    a_ptrs = a_ptr + (tok // TOP_K)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = pool_ptr + col_base[None, :] + offs_k[:, None]
+
+    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_SIZE_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=tok_mask[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_mask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=tok_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc=acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_SIZE_K
+        b_ptrs += BLOCK_SIZE_K
+
+    acc = tl.where(page_ok[None, :], acc, 0.0)
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights_ptr + tok, mask=tok_mask, other=0.0)
+        acc = acc * w.to(tl.float32)[:, None]
+
+    c_ptrs = c_ptr + tok[:, None] * stride_cm + offs_n[None, :]
+    tl.store(
+        c_ptrs,
+        acc.to(c_ptr.dtype.element_ty),
+        mask=tok_mask[:, None] & n_mask[None, :],
+    )
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, y_ptr, I, stride_x, stride_y, BLOCK: tl.constexpr):
+    """y[r, :] = silu(x[r, :I]) * x[r, I:2I], computed in fp32."""
+    r = tl.program_id(axis=0).to(tl.int64)
+    offs = tl.program_id(axis=1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    gate = tl.load(x_ptr + r * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + r * stride_x + I + offs, mask=mask, other=0.0).to(tl.float32)
+    y = gate * tl.sigmoid(gate) * up
+    tl.store(y_ptr + r * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------
+
+
+def _check_inputs(hidden, pool, page_table, topk_weights, topk_ids, inter_size, page_elems, out):
+    def fail(arg: str, msg: str):
+        raise ValueError(f"paged_fused_moe: {arg}: {msg}")
+
+    if hidden.dim() != 2:
+        fail("hidden", f"must be 2-D [T, H], got shape {tuple(hidden.shape)}")
+    if hidden.dtype not in _WEIGHT_DTYPES:
+        fail("hidden", f"dtype must be one of {_WEIGHT_DTYPES}, got {hidden.dtype}")
+    if hidden.stride(1) != 1:
+        fail("hidden", "rows must be contiguous (stride(1) == 1)")
+    T, H = hidden.shape
+    dev = hidden.device
+    if pool.dim() != 1 or not pool.is_contiguous():
+        fail("pool", f"must be a contiguous 1-D tensor, got shape {tuple(pool.shape)}")
+    if pool.dtype != hidden.dtype:
+        fail("pool", f"dtype {pool.dtype} differs from hidden's {hidden.dtype}")
+    if page_table.dim() != 2 or page_table.shape[1] != 3:
+        fail("page_table", f"must be [E, 3], got shape {tuple(page_table.shape)}")
+    if page_table.dtype not in (torch.int32, torch.int64):
+        fail("page_table", f"dtype must be int32 or int64, got {page_table.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        fail("topk_ids", f"must be [T={T}, k], got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        fail("topk_ids", f"dtype must be int32 or int64, got {topk_ids.dtype}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        fail(
+            "topk_weights",
+            f"shape {tuple(topk_weights.shape)} differs from topk_ids' {tuple(topk_ids.shape)}",
+        )
+    if not topk_weights.is_floating_point():
+        fail("topk_weights", f"must be floating point, got {topk_weights.dtype}")
+    if inter_size <= 0:
+        fail("inter_size", f"must be positive, got {inter_size}")
+    if page_elems < inter_size * H:
+        fail("page_elems", f"{page_elems} < inter_size * H = {inter_size * H}")
+    for name, t in (("pool", pool), ("page_table", page_table),
+                    ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.device != dev:
+            fail(name, f"on {t.device}, hidden on {dev}")
+    if out is not None:
+        if tuple(out.shape) != (T, H) or out.dtype != hidden.dtype or out.device != dev:
+            fail("out", f"must be [{T}, {H}] {hidden.dtype} on {dev}, got "
+                 f"{tuple(out.shape)} {out.dtype} on {out.device}")
+        if not out.is_contiguous():
+            fail("out", "must be contiguous")
+
+
+def _validate_pages(pool, page_table, topk_ids, inter_size, H, page_elems):
+    """Host checks (sync): routed ids in range, their pages present and in the pool."""
+    E = page_table.shape[0]
+    routed = torch.unique(topk_ids).tolist()
+    bad = [e for e in routed if not 0 <= e < E]
+    if bad:
+        raise ValueError(f"paged_fused_moe: topk_ids: expert ids {bad} outside [0, {E})")
+    pages = page_table[routed].tolist()
+    missing = [e for e, row in zip(routed, pages) if min(row) < 0]
+    if missing:
+        raise ExpertNotResidentError(
+            f"paged_fused_moe: page_table: routed experts {missing} have page id -1 "
+            "(neither resident nor loaded)"
+        )
+    last_page = (pool.numel() - inter_size * H) // page_elems
+    for e, row in zip(routed, pages):
+        if max(row) > last_page:
+            raise ValueError(
+                f"paged_fused_moe: page_table: expert {e} pages {row} run past the "
+                f"pool ({pool.numel()} elements, page_elems={page_elems})"
+            )
+
+
+def _launch_gemm(a, c, pool, page_table, topk_weights, aligned, *, N, K, rows_per_page,
+                 slot_base, top_k, mul_routed_weight, page_elems, config, upcast):
+    em = aligned.sorted_token_ids.numel()
+    bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
+    grid = (triton.cdiv(em, bm) * triton.cdiv(N, bn),)
+    fp32_dot = upcast or a.dtype == torch.float32
+    _paged_moe_gemm_kernel[grid](
+        a, pool, c, page_table, topk_weights,
+        aligned.sorted_token_ids, aligned.expert_ids, aligned.num_tokens_post_padded,
+        N, K, em, c.shape[0],
+        rows_per_page, page_elems,
+        a.stride(0), c.stride(0), page_table.stride(0),
+        SLOT_BASE=slot_base,
+        TOP_K=top_k,
+        MUL_ROUTED_WEIGHT=mul_routed_weight,
+        EVEN_K=K % bk == 0,
+        UPCAST=upcast,
+        DOT_PRECISION="ieee" if fp32_dot else "tf32",
+        BLOCK_SIZE_M=bm,
+        BLOCK_SIZE_N=bn,
+        BLOCK_SIZE_K=bk,
+        GROUP_SIZE_M=config["GROUP_SIZE_M"],
+        num_warps=config.get("num_warps", 4),
+        num_stages=config.get("num_stages", 2),
+    )
+
+
+def paged_fused_moe(
+    hidden: torch.Tensor,
+    pool: torch.Tensor,
+    page_table: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    inter_size: int,
+    page_elems: int,
+    config: dict | None = None,
+    out: torch.Tensor | None = None,
+    validate: bool | None = None,
+    upcast: bool | None = None,
+) -> torch.Tensor:
+    """out[t] = sum_j w[t, j] * W2_e (silu(W1_e x_t) * (W3_e x_t)),  e = topk_ids[t, j].
+
+    hidden: [T, H] bf16/fp16/fp32. pool: 1-D, the page pool viewed as
+    hidden's dtype. page_table: int32/int64 [E, 3], per expert the page of W1
+    (gate, [I, H]), W3 (up, [I, H]) and W2 (down, [H, I]); -1 = absent.
+    topk_weights / topk_ids: [T, k] routing weights and expert ids.
+    inter_size: I (per TP shard). page_elems: pool elements per expert page
+    (>= I * H; pages may be padded). config: launch config with SGLang's keys
+    (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages); None = from
+    ``configs/``. out: optional [T, H] output (hidden's dtype). validate: host
+    checks of routed ids and their pages (syncs; not CUDA-graph safe);
+    None = on for CPU tensors or when RIMURU_KERNELS_VALIDATE=1. Without it a
+    routed expert with page -1 contributes zero. upcast: feed fp32 to tl.dot
+    (None = only for bf16 under the Triton interpreter, whose bf16 dot is wrong).
+
+    GEMMs accumulate in fp32; the gate/up output and SiLU*up are stored in
+    hidden's dtype, like SGLang's fused MoE.
+    """
+    _check_inputs(hidden, pool, page_table, topk_weights, topk_ids, inter_size, page_elems, out)
+    T, H = hidden.shape
+    E, top_k = page_table.shape[0], topk_ids.shape[1]
+    I = inter_size
+    if INTERPRETED != (hidden.device.type == "cpu"):
+        raise RuntimeError(
+            "paged_fused_moe: tensors on "
+            f"{hidden.device.type} but TRITON_INTERPRET={'1' if INTERPRETED else '0'} "
+            "when rimuru_kernels was imported; CPU needs the interpreter, CUDA must not use it"
+        )
+    if validate is None:
+        validate = hidden.device.type == "cpu" or os.environ.get("RIMURU_KERNELS_VALIDATE") == "1"
+    if validate:
+        _validate_pages(pool, page_table, topk_ids, I, H, page_elems)
+    if upcast is None:
+        upcast = INTERPRETED and hidden.dtype == torch.bfloat16
+    if out is None:
+        out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+    if T == 0 or top_k == 0:
+        return out.zero_()
+    if config is None:
+        config = get_paged_moe_config(E, I, T, hidden.device)
+    missing = [k for k in _CONFIG_KEYS if k not in config]
+    if missing:
+        raise ValueError(f"paged_fused_moe: config: missing keys {missing}")
+
+    aligned = moe_align_block_size_triton(topk_ids, config["BLOCK_SIZE_M"], E)
+    page_table = page_table.contiguous()
+    topk_weights = topk_weights.contiguous().view(-1)
+    rows = T * top_k
+
+    gate_up = torch.empty(rows, 2 * I, dtype=hidden.dtype, device=hidden.device)
+    _launch_gemm(hidden, gate_up, pool, page_table, topk_weights, aligned,
+                 N=2 * I, K=H, rows_per_page=I, slot_base=0, top_k=top_k,
+                 mul_routed_weight=False, page_elems=page_elems, config=config,
+                 upcast=upcast)
+
+    act = torch.empty(rows, I, dtype=hidden.dtype, device=hidden.device)
+    block = min(triton.next_power_of_2(I), 1024)
+    _silu_and_mul_kernel[(rows, triton.cdiv(I, block))](
+        gate_up, act, I, gate_up.stride(0), act.stride(0), BLOCK=block
+    )
+
+    down = torch.empty(rows, H, dtype=hidden.dtype, device=hidden.device)
+    _launch_gemm(act, down, pool, page_table, topk_weights, aligned,
+                 N=H, K=I, rows_per_page=H, slot_base=2, top_k=1,
+                 mul_routed_weight=True, page_elems=page_elems, config=config,
+                 upcast=upcast)
+
+    torch.sum(down.view(T, top_k, H), dim=1, out=out)
+    return out

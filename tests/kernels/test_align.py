@@ -1,0 +1,99 @@
+"""moe_align_block_size on hand-checked inputs and random invariants."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning")
+
+from rimuru_kernel_helpers import DEVICE  # noqa: E402
+from rimuru_kernels import moe_align_block_size, moe_align_block_size_triton  # noqa: E402
+
+ALIGNS = [moe_align_block_size, moe_align_block_size_triton]
+
+
+@pytest.fixture(params=ALIGNS, ids=["torch", "triton"])
+def align_fn(request):
+    return request.param
+
+
+def align(ids, block, E, fn=moe_align_block_size):
+    a = fn(torch.tensor(ids, dtype=torch.int32, device=DEVICE), block, E)
+    assert a.sorted_token_ids.dtype == a.expert_ids.dtype == torch.int32
+    assert a.num_tokens_post_padded.dtype == torch.int32
+    return (a.sorted_token_ids.tolist(), a.expert_ids.tolist(),
+            a.num_tokens_post_padded.tolist())
+
+
+def test_two_tokens_top2(align_fn):
+    # flat slots: 0->e1, 1->e0, 2->e1, 3->e2; counts [1, 2, 1, 0] padded to 2.
+    # Buffer: 4 + min(4, 4) * (2 - 1) = 8 entries, padding value 4.
+    assert align([[1, 0], [1, 2]], 2, 4, align_fn) == (
+        [1, 4, 0, 2, 3, 4, 4, 4],
+        [0, 1, 2, -1],
+        [6],
+    )
+
+
+def test_skewed_with_empty_expert(align_fn):
+    # flat: e2 e2 e0 e2 e2 e2; counts [1, 0, 5] padded to 4: [4, 0, 8].
+    # Buffer: 6 + min(6, 3) * 3 = 15 entries, 4 blocks; padding value 6.
+    assert align([[2], [2], [0], [2], [2], [2]], 4, 3, align_fn) == (
+        [2, 6, 6, 6, 0, 1, 3, 4, 5, 6, 6, 6, 6, 6, 6],
+        [0, 2, 2, -1],
+        [12],
+    )
+
+
+def test_block_exactly_full(align_fn):
+    assert align([[1, 0], [0, 1]], 2, 2, align_fn) == ([1, 2, 0, 3, 4, 4], [0, 1, -1], [4])
+
+
+def test_no_tokens(align_fn):
+    ids = torch.empty(0, 2, dtype=torch.int32, device=DEVICE)
+    a = align_fn(ids, 16, 8)
+    assert a.sorted_token_ids.numel() == 0 and a.expert_ids.numel() == 0
+    assert a.num_tokens_post_padded.tolist() == [0]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_invariants(seed, align_fn):
+    g = torch.Generator().manual_seed(seed)
+    T, k, E, block = 37, 3, 8, 16
+    logits = torch.randn(T, E, generator=g)
+    logits[:, 2] += 3 * seed  # more skew as the seed grows
+    ids = torch.topk(logits, k).indices.to(DEVICE)
+    a = align_fn(ids, block, E)
+    for x, y in zip(a, moe_align_block_size(ids, block, E)):
+        assert torch.equal(x, y)  # deterministic, and both versions agree exactly
+
+    flat = ids.reshape(-1).tolist()
+    n = len(flat)
+    sorted_ids = a.sorted_token_ids.tolist()
+    experts = a.expert_ids.tolist()
+    used = a.num_tokens_post_padded.item()
+    assert len(sorted_ids) == n + min(n, E) * (block - 1)
+    assert used % block == 0
+    assert all(s == n for s in sorted_ids[used:])
+    assert all(e == -1 for e in experts[used // block:])
+    seen = []
+    for b in range(used // block):
+        chunk = [s for s in sorted_ids[b * block:(b + 1) * block] if s != n]
+        assert chunk, "a used block holds at least one slot"
+        assert all(flat[s] == experts[b] for s in chunk)
+        assert chunk == sorted(chunk)
+        seen += chunk
+    assert sorted(seen) == list(range(n))
+    assert experts[: used // block] == sorted(experts[: used // block])
+
+
+def test_triton_align_more_slots_than_one_scan_step():
+    # 1200 slots > the kernel's 1024-wide step; experts 20-23 unrouted.
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 20, (400, 3), generator=g, dtype=torch.int32)
+    ids[:300, 0] = 17
+    ids = ids.to(DEVICE)
+    want = moe_align_block_size(ids, 32, 24)
+    got = moe_align_block_size_triton(ids, 32, 24)
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)

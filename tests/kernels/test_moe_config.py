@@ -1,0 +1,65 @@
+"""Launch-config files: naming, lookup, nearest token count, shipped tables.
+
+(The import rule of rimuru_kernels is checked in tests/test_layout.py.)
+"""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from rimuru_kernels import moe_config  # noqa: E402
+
+KEYS = {"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages"}
+
+
+def test_shipped_configs_are_complete():
+    files = sorted(moe_config.CONFIG_DIR.glob("*.json"))
+    assert moe_config.CONFIG_DIR / "default.json" in files
+    for path in files:
+        table = json.loads(path.read_text())
+        assert table, path
+        for tokens, cfg in table.items():
+            assert int(tokens) >= 1
+            assert set(cfg) == KEYS, (path.name, tokens)
+            for key in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"):
+                assert cfg[key] >= 16 and cfg[key] & (cfg[key] - 1) == 0, (path.name, tokens)
+
+
+def test_unknown_device_gets_default_and_nearest_token_count(monkeypatch):
+    moe_config.load_configs.cache_clear()
+    monkeypatch.setattr(moe_config, "device_name", lambda device: "No_Such_GPU")
+    default = json.loads((moe_config.CONFIG_DIR / "default.json").read_text())
+    cuda = torch.device("cuda", 0)
+    keys = sorted(int(k) for k in default)
+    for m in (1, 3, 100, 5000, 10**6):
+        want = default[str(min(keys, key=lambda k: abs(k - m)))]
+        assert moe_config.get_paged_moe_config(8, 48, m, cuda) == want
+
+
+def test_config_dir_override_and_file_name(tmp_path, monkeypatch):
+    table = {
+        "1": dict.fromkeys(KEYS, 1) | {"BLOCK_SIZE_M": 16},
+        "64": dict.fromkeys(KEYS, 1) | {"BLOCK_SIZE_M": 64},
+    }
+    name = "E=128,N=768,device_name=Fake_GPU.json"
+    assert moe_config.config_file_name(128, 768, "Fake_GPU") == name
+    (tmp_path / name).write_text(json.dumps(table))
+    monkeypatch.setenv("RIMURU_KERNELS_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(moe_config, "device_name", lambda device: "Fake_GPU")
+    moe_config.load_configs.cache_clear()
+    try:
+        cuda = torch.device("cuda", 0)
+        assert moe_config.get_paged_moe_config(128, 768, 20, cuda)["BLOCK_SIZE_M"] == 16
+        assert moe_config.get_paged_moe_config(128, 768, 40, cuda)["BLOCK_SIZE_M"] == 64
+        # Another shape falls back to the default table.
+        assert moe_config.get_paged_moe_config(64, 768, 40, cuda) != table["64"]
+    finally:
+        moe_config.load_configs.cache_clear()
+
+
+def test_cpu_gets_the_small_interpreter_config():
+    cfg = moe_config.get_paged_moe_config(8, 48, 1000, torch.device("cpu"))
+    assert cfg == moe_config.INTERPRETER_CONFIG
