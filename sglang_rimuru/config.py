@@ -2,7 +2,8 @@
 
 Plain Python: no SGLang import. The launcher adds these flags beside SGLang's
 (``--help`` shows both) and hands the parsed config to every SGLang process
-through :class:`rimuru_patches.context.ProcessContext`.
+through :class:`rimuru_patches.context.ProcessContext`. Checks that need the
+model (expert counts, sizes) live in :mod:`sglang_rimuru.plan`.
 """
 
 from __future__ import annotations
@@ -10,17 +11,54 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-MODES = ("off",)
+#: ``off``: plain SGLang. ``static``: experts and KV cache in one page pool,
+#: split fixed at start (the paper's fixed-ratio baseline).
+MODES = ("off", "static")
 
 
 @dataclasses.dataclass(frozen=True)
 class RimuruConfig:
-    #: how experts and KV cache share GPU memory; ``off`` is plain SGLang
+    #: how experts and KV cache share GPU memory
     mode: str = "off"
+    #: most experts a MoE layer may have offloaded; sizes the load buffers
+    #: (default: half the layer's experts)
+    expert_offload_limit: int | None = None
+    #: static mode: experts per MoE layer kept resident in the pool
+    #: (default: all but the offload limit)
+    resident_experts: int | None = None
+    #: bytes of the unified pool, in GiB (default: from --max-total-tokens on
+    #: CPU, or the memory SGLang would give its KV cache on a GPU)
+    pool_gb: float | None = None
+    #: the hot-expert ranking file (default: expert index order)
+    expert_ranking: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"--rimuru-mode: unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
+        for flag, value in (
+            ("--rimuru-expert-offload-limit", self.expert_offload_limit),
+            ("--rimuru-resident-experts", self.resident_experts),
+        ):
+            if value is not None and value < 0:
+                raise ValueError(f"{flag} must be >= 0, got {value}")
+        if self.pool_gb is not None and not self.pool_gb > 0:
+            raise ValueError(f"--rimuru-pool-gb must be > 0, got {self.pool_gb}")
+        if self.mode == "off":
+            given = [f for f, v in self._pool_flags().items() if v is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} need --rimuru-mode static")
+
+    def _pool_flags(self) -> dict[str, object]:
+        return {
+            "--rimuru-expert-offload-limit": self.expert_offload_limit,
+            "--rimuru-resident-experts": self.resident_experts,
+            "--rimuru-pool-gb": self.pool_gb,
+            "--rimuru-expert-ranking": self.expert_ranking,
+        }
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -29,12 +67,54 @@ class RimuruConfig:
             "--rimuru-mode",
             choices=MODES,
             default=RimuruConfig.mode,
-            help="How expert weights and the KV cache share GPU memory. 'off': plain SGLang.",
+            help="How expert weights and the KV cache share GPU memory. 'off': plain SGLang. "
+            "'static': one page pool holds both, with a fixed number of resident experts per layer.",
+        )
+        group.add_argument(
+            "--rimuru-expert-offload-limit",
+            type=int,
+            default=None,
+            metavar="N",
+            help="Most experts a MoE layer may have offloaded to host memory; sizes the two load "
+            "buffers. Default: half of the layer's experts.",
+        )
+        group.add_argument(
+            "--rimuru-resident-experts",
+            type=int,
+            default=None,
+            metavar="N",
+            help="static mode: routed experts per MoE layer kept in the pool (the highest ranked). "
+            "Default: all but --rimuru-expert-offload-limit.",
+        )
+        group.add_argument(
+            "--rimuru-pool-gb",
+            type=float,
+            default=None,
+            metavar="GIB",
+            help="Size of the unified expert/KV page pool per GPU. Default: resident experts + load "
+            "buffers + --max-total-tokens of KV when that is given, else what SGLang would give its KV cache.",
+        )
+        group.add_argument(
+            "--rimuru-expert-ranking",
+            default=None,
+            metavar="PATH",
+            help="Hot-expert ranking file (JSON); the highest ranked experts stay resident. "
+            "Default: expert index order.",
         )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "RimuruConfig":
-        return cls(mode=args.rimuru_mode)
+        return cls(
+            mode=args.rimuru_mode,
+            expert_offload_limit=args.rimuru_expert_offload_limit,
+            resident_experts=args.rimuru_resident_experts,
+            pool_gb=args.rimuru_pool_gb,
+            expert_ranking=args.rimuru_expert_ranking,
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RimuruConfig":
+        return cls(**data)

@@ -54,3 +54,39 @@ def test_help_lists_sglang_and_rimuru_flags():
     for flag in ("--model-path", "--tp-size", "--max-total-tokens", "--rimuru-mode"):
         assert flag in proc.stdout
     assert "sglang-rimuru options" in proc.stdout
+
+
+# --- the unified pool's start-up checks: before any weight loads ----------------
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    from sglang_rimuru.models import ensure_model
+
+    return str(ensure_model("tiny-qwen3-moe", cache_dir=tmp_path_factory.mktemp("models")))
+
+
+def test_dense_model_with_pool_mode(tmp_path):
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(
+        '{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, '
+        '"intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}'
+    )
+    proc = run_launcher("--model-path", str(dense), "--rimuru-mode", "static")
+    assert_one_line_error(proc, "--rimuru-mode", "dense model", "Qwen3ForCausalLM")
+
+
+def test_offload_limit_above_expert_count(tiny_moe):
+    proc = run_launcher("--model-path", tiny_moe, "--rimuru-mode", "static", "--rimuru-expert-offload-limit", "9")
+    assert_one_line_error(proc, "--rimuru-expert-offload-limit 9", "above the 8 routed experts")
+
+
+def test_pool_too_small_for_one_expert_per_layer_and_one_request(tiny_moe):
+    proc = run_launcher("--model-path", tiny_moe, "--rimuru-mode", "static", "--rimuru-pool-gb", "0.0001")
+    assert_one_line_error(proc, "--rimuru-pool-gb", "cannot hold", "one request of 4096 tokens", "at least")
+
+
+def test_pool_flags_need_a_pool_mode(tiny_moe):
+    proc = run_launcher("--model-path", tiny_moe, "--rimuru-resident-experts", "4")
+    assert_one_line_error(proc, "--rimuru-resident-experts", "need --rimuru-mode static")

@@ -86,3 +86,34 @@ def test_sampling_param_type_check():
         check_sampling_params({"temperature": float("nan")})
     with pytest.raises(ValueError, match=r"sampling_params.n must be an integer, got True"):
         check_sampling_params({"n": True})
+
+
+def test_pool_seams_resolve_when_the_pool_mode_is_on():
+    code = textwrap.dedent(
+        """
+        from rimuru_patches.bootstrap import bootstrap_process
+        from rimuru_patches.context import ProcessContext
+        from rimuru_patches import seams
+        ctx = ProcessContext(device="cpu", rimuru={"mode": "static"})
+        bootstrap_process(ctx)
+        print(sorted(s.name for s in seams.verify(ctx)))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == str(
+        sorted(
+            [
+                "cpu.no_pynccl",
+                "cpu.qwen2_moe_shared_expert_gate",
+                "http.sampling_param_types",
+                "pool.build",
+                "pool.kv_budget",
+                "pool.kv_capacity",
+                "pool.kv_buffers",
+                "pool.kv_allocator",
+                "experts.forward_pass",
+                "experts.moe_core",
+            ]
+        )
+    )

@@ -49,8 +49,7 @@ class Seam:
             owner: Any = importlib.import_module(module_name)
         except ImportError as exc:
             raise SeamTargetMissing(
-                f"seam {self.name!r}: cannot import {module_name} ({exc}); "
-                "the installed SGLang does not match the pinned 0.5.17"
+                f"seam {self.name!r}: cannot import {module_name} ({exc})"
             ) from exc
         *parents, attr = path.split(".")
         for part in parents:

@@ -77,6 +77,42 @@ def _check_port(host: str, port: int) -> None:
             raise LaunchError(f"--host {host} --port {port}: cannot listen there ({exc.strerror})") from None
 
 
+def _check_pool_plan(args: argparse.Namespace, config) -> None:
+    """The pool checks that must fail before any weight loads."""
+    from sglang_rimuru.plan import ModelFacts, PlanError, plan_pool
+
+    if (args.ep_size or 1) > 1:
+        raise LaunchError(f"--ep-size {args.ep_size}: --rimuru-mode {config.mode} does not support expert parallelism")
+    if args.page_size is None:
+        args.page_size = 1
+    try:
+        facts = ModelFacts.from_model_path(args.model_path)
+        plan_pool(
+            facts,
+            config,
+            tp_size=args.tp_size,
+            page_size=args.page_size,
+            max_total_tokens=args.max_total_tokens,
+            context_len=args.context_length,
+        )
+        if config.expert_ranking is not None:
+            import torch
+
+            from sglang_rimuru.experts import MoEShape, load_ranking
+
+            shape = MoEShape(
+                layer_ids=facts.moe_layer_ids,
+                num_experts=facts.num_experts,
+                hidden=facts.hidden,
+                inter=facts.moe_inter,
+                top_k=facts.top_k,
+                dtype=torch.bfloat16,
+            )
+            load_ranking(config.expert_ranking, shape)
+    except (PlanError, ValueError) as exc:
+        raise LaunchError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """SGLang's flags and the project's, in one parser (imports SGLang)."""
     from sglang.srt.server_args import ServerArgs
@@ -132,9 +168,15 @@ def prepare(argv: list[str]):
         raise LaunchError(str(exc)) from None
     ctx = ProcessContext(device=device, tp_size=args.tp_size, rimuru=config.to_dict())
     ctx.publish()
+    try:  # the seams the spawned processes will install for this config
+        seams.verify(ctx)
+    except seams.SeamTargetMissing as exc:
+        raise LaunchError(str(exc)) from None
 
     _check_model_path(args.model_path)
     _check_port(args.host, args.port)
+    if config.enabled:
+        _check_pool_plan(args, config)
 
     from sglang.srt.server_args import ServerArgs
 

@@ -1,0 +1,144 @@
+"""The unified expert/KV page pool inside SGLang (``--rimuru-mode static``).
+
+Seams (all inert unless the mode is on; ledger in ``patches/README.md``):
+
+* ``ModelRunner.alloc_memory_pool``: build the :class:`RimuruRuntime` (experts
+  out of SGLang's tensors into host memory and pool pages) before SGLang
+  builds its KV pool;
+* ``KVCacheConfigurator._profile_available_bytes`` / ``_apply_token_constraints``:
+  SGLang sizes its KV pool to what the unified pool can hold;
+* ``KVCacheConfigurator._build_mha_kv_pool`` / ``_build_token_to_kv_pool_allocator``:
+  the KV buffers are views of the pool's bytes; the allocator asks the pool;
+* ``ModelRunner.forward``: per-forward state of the expert manager;
+* ``FusedMoE.run_moe_core``: managed layers compute from the pool.
+"""
+
+from __future__ import annotations
+
+from rimuru_patches.context import ProcessContext
+from rimuru_patches.seams import Seam, original, register
+
+
+def _on(ctx: ProcessContext) -> bool:
+    return ctx.rimuru.get("mode", "off") != "off"
+
+
+def _runtime():
+    from rimuru_patches.unified_pool.runtime import active
+
+    return active()
+
+
+def _alloc_memory_pool(orig, ctx):
+    from sglang_rimuru.config import RimuruConfig
+
+    config = RimuruConfig.from_dict(ctx.rimuru)
+
+    def alloc_memory_pool(self, memory_pool_config=None):
+        if self.is_draft_worker:
+            return orig(self, memory_pool_config)
+        from rimuru_patches.unified_pool.runtime import RimuruRuntime
+
+        def profile_bytes() -> int:
+            self.init_kv_cache_configurator()
+            profile = original("pool.kv_budget")
+            return profile(self.kv_cache_configurator, self.pre_model_load_memory)
+
+        RimuruRuntime.build(self, config, profile_bytes)
+        return orig(self, memory_pool_config)
+
+    return alloc_memory_pool
+
+
+def _kv_budget(orig, ctx):
+    def _profile_available_bytes(self, pre_model_load_memory):
+        runtime = _runtime()
+        if runtime is None:
+            return orig(self, pre_model_load_memory)
+        # The pool already holds its bytes; SGLang must not profile them away.
+        return runtime.geometry.pool_bytes
+
+    return _profile_available_bytes
+
+
+def _token_cap(orig, ctx):
+    def _apply_token_constraints(self, token_capacity):
+        capped = orig(self, token_capacity)
+        runtime = _runtime()
+        return capped if runtime is None else min(capped, runtime.kv_capacity_tokens)
+
+    return _apply_token_constraints
+
+
+def _kv_pool(orig, ctx):
+    def _build_mha_kv_pool(self, *, max_total_num_tokens, mha_pool_class, quant_method=None):
+        runtime = _runtime()
+        if runtime is not None:
+            from rimuru_patches.unified_pool.kv import pooled_kv_pool_class
+
+            if quant_method is not None:
+                raise RuntimeError("--rimuru-mode does not support a quantized KV cache")
+            mha_pool_class = pooled_kv_pool_class(runtime)
+        return orig(
+            self, max_total_num_tokens=max_total_num_tokens, mha_pool_class=mha_pool_class, quant_method=quant_method
+        )
+
+    return _build_mha_kv_pool
+
+
+def _allocator(orig, ctx):
+    def _build_token_to_kv_pool_allocator(self, *, sizes, token_to_kv_pool, **kwargs):
+        runtime = _runtime()
+        if runtime is None or kwargs.get("token_to_kv_pool_allocator") is not None:
+            return orig(self, sizes=sizes, token_to_kv_pool=token_to_kv_pool, **kwargs)
+        from rimuru_patches.unified_pool.kv import PooledTokenToKVPoolAllocator
+
+        return PooledTokenToKVPoolAllocator(
+            sizes.max_total_num_tokens,
+            dtype=self.kv_cache_dtype,
+            device=self.device,
+            kvcache=token_to_kv_pool,
+            need_sort=False,
+            runtime=runtime,
+        )
+
+    return _build_token_to_kv_pool_allocator
+
+
+def _forward(orig, ctx):
+    def forward(self, forward_batch, *args, **kwargs):
+        runtime = _runtime()
+        if runtime is None:
+            return orig(self, forward_batch, *args, **kwargs)
+        runtime.manager.begin_forward()
+        try:
+            return orig(self, forward_batch, *args, **kwargs)
+        finally:
+            runtime.manager.end_forward()
+
+    return forward
+
+
+def _run_moe_core(orig, ctx):
+    def run_moe_core(self, dispatch_output):
+        runtime = _runtime()
+        if runtime is None or self.layer_id not in runtime.layer_ids:
+            return orig(self, dispatch_output)
+        return runtime.moe_forward(self, dispatch_output)
+
+    return run_moe_core
+
+
+_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator:KVCacheConfigurator"
+_MODEL_RUNNER = "sglang.srt.model_executor.model_runner:ModelRunner"
+
+for _name, _target, _why, _build in (
+    ("pool.build", f"{_MODEL_RUNNER}.alloc_memory_pool", "build the unified pool and move experts into it before SGLang builds its KV pool", _alloc_memory_pool),
+    ("pool.kv_budget", f"{_CONFIGURATOR}._profile_available_bytes", "the pool already took its memory; SGLang's KV budget is the pool", _kv_budget),
+    ("pool.kv_capacity", f"{_CONFIGURATOR}._apply_token_constraints", "cap SGLang's max_total_num_tokens at what the pool can give KV", _token_cap),
+    ("pool.kv_buffers", f"{_CONFIGURATOR}._build_mha_kv_pool", "KV buffers are strided views of the pool's bytes", _kv_pool),
+    ("pool.kv_allocator", f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", "KV slots are the pool's KV pages", _allocator),
+    ("experts.forward_pass", f"{_MODEL_RUNNER}.forward", "per-forward-pass state of the expert manager (prefetches live one pass)", _forward),
+    ("experts.moe_core", "sglang.srt.layers.moe.fused_moe_triton.layer:FusedMoE.run_moe_core", "managed MoE layers compute from pool pages and load buffers", _run_moe_core),
+):
+    register(Seam(name=_name, target=_target, why=_why, build=_build, applies=_on))

@@ -1,0 +1,212 @@
+"""One scheduler process's unified pool: built at start, used by the allocator and the MoE layers.
+
+Each TP rank's scheduler process runs one ``RimuruRuntime``. It is built in
+``ModelRunner.alloc_memory_pool`` after SGLang loaded the weights and before
+SGLang builds its KV pool:
+
+1. every routed expert of every MoE layer is copied to host memory (pinned on
+   CUDA) and SGLang's contiguous ``w13_weight`` / ``w2_weight`` are freed;
+2. the pool is sized (``sglang_rimuru.plan``), its byte buffer allocated,
+   KV slot 0 reserved for SGLang's dummy writes, the two load buffers and the
+   resident experts (highest ranked first) placed, and the residents copied in;
+3. SGLang then builds its KV pool and allocator over the same bytes
+   (``kv.py``), sized to what the pool can give KV.
+
+During a forward pass ``FusedMoE.run_moe_core`` of a managed layer calls
+:meth:`RimuruRuntime.moe_forward` instead of SGLang's quant method.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang_rimuru.config import RimuruConfig
+from sglang_rimuru.experts import (
+    ExpertManager,
+    ExpertRanking,
+    ExpertResidency,
+    HostExpertStore,
+    LoadBuffers,
+    MoEShape,
+    load_ranking,
+)
+from sglang_rimuru.plan import GIB, ModelFacts, PoolPlan, plan_pool
+from sglang_rimuru.pool import PoolBuffer, PoolGeometry, UnifiedPagePool
+
+logger = logging.getLogger(__name__)
+
+#: owner tag of KV slot 0 (SGLang writes padded tokens' KV there)
+DUMMY_SLOT_OWNER = "sglang_dummy_slot"
+
+_ACTIVE: "RimuruRuntime | None" = None
+
+
+def active() -> "RimuruRuntime | None":
+    """The runtime of this process, once built (None in plain SGLang processes)."""
+    return _ACTIVE
+
+
+def find_moe_layers(model: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, torch.Tensor]]:
+    """``{layer_id: (FusedMoE, router weight [E, hidden])}`` of a Qwen-style MoE model."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    layers = {}
+    for module in model.modules():
+        experts = getattr(module, "experts", None)
+        gate = getattr(module, "gate", None)
+        if isinstance(experts, FusedMoE) and gate is not None and hasattr(gate, "weight"):
+            layers[experts.layer_id] = (experts, gate.weight)
+    return dict(sorted(layers.items()))
+
+
+class RimuruRuntime:
+    def __init__(self, *, config, plan, geometry, page_pool, buffer, shape, residency, manager, device):
+        self.config: RimuruConfig = config
+        self.plan: PoolPlan = plan
+        self.geometry: PoolGeometry = geometry
+        self.page_pool: UnifiedPagePool = page_pool
+        self.buffer: PoolBuffer = buffer
+        self.shape: MoEShape = shape
+        self.residency: ExpertResidency = residency
+        self.manager: ExpertManager = manager
+        self.device = torch.device(device)
+        self.layer_ids = frozenset(shape.layer_ids)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.page_pool.kv_capacity_now() * self.plan.page_size
+
+    # -- building ---------------------------------------------------------
+
+    @classmethod
+    def build(cls, model_runner, config: RimuruConfig, profile_bytes) -> "RimuruRuntime":
+        """Move the experts of ``model_runner.model`` into a new pool.
+
+        ``profile_bytes()`` returns SGLang's KV budget in bytes; it is called
+        (after the experts left the GPU) only when no flag fixes the pool size.
+        """
+        global _ACTIVE
+        server_args = model_runner.server_args
+        facts = ModelFacts.from_config(model_runner.model_config.hf_config.to_dict())
+        layers = find_moe_layers(model_runner.model)
+        if tuple(layers) != facts.moe_layer_ids:
+            raise RuntimeError(
+                f"--rimuru-mode: the model's FusedMoE layers {tuple(layers)} differ from the MoE layers "
+                f"{facts.moe_layer_ids} its config describes"
+            )
+        first = next(iter(layers.values()))[0]
+        dtype = first.w13_weight.dtype
+        plan = plan_pool(
+            facts,
+            config,
+            tp_size=model_runner.ps.tp_size,
+            page_size=server_args.page_size or 1,
+            dtype_bytes=dtype.itemsize,
+            kv_dtype_bytes=torch.empty((), dtype=model_runner.kv_cache_dtype).element_size(),
+            max_total_tokens=server_args.max_total_tokens,
+            context_len=server_args.context_length,
+        )
+        shape = MoEShape(
+            layer_ids=facts.moe_layer_ids,
+            num_experts=facts.num_experts,
+            hidden=facts.hidden,
+            inter=facts.moe_inter // model_runner.ps.tp_size,
+            top_k=facts.top_k,
+            dtype=dtype,
+        )
+        device = torch.device(model_runner.device)
+        host = HostExpertStore(shape, pin_memory=device.type == "cuda")
+        for layer_id, (moe, _) in layers.items():
+            cls._check_layer(moe, shape)
+            host.put_fused(layer_id, moe.w13_weight.data, moe.w2_weight.data)
+            # SGLang's contiguous copies go; the pool and the host store hold the experts now.
+            moe.w13_weight.data = torch.empty(0, dtype=dtype, device=device)
+            moe.w2_weight.data = torch.empty(0, dtype=dtype, device=device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+        pool_bytes = plan.pool_bytes
+        if pool_bytes is None:
+            pool_bytes = int(profile_bytes())
+            plan.check_pool_bytes(pool_bytes, flag="--mem-fraction-static (the GPU memory SGLang leaves for KV)")
+        geometry = PoolGeometry(
+            total_bytes=pool_bytes, expert_page_bytes=plan.expert_page_bytes, kv_page_bytes=plan.kv_page_bytes
+        )
+        page_pool = UnifiedPagePool(geometry)
+        dummy = page_pool.alloc_kv_pages(1, owner=DUMMY_SLOT_OWNER)
+        if dummy != [0]:
+            raise RuntimeError(f"KV slot 0 must be the first KV page of the pool, got {dummy}")
+        buffer = PoolBuffer(geometry, device)
+        ranking = (
+            load_ranking(config.expert_ranking, shape) if config.expert_ranking else ExpertRanking.default(shape)
+        )
+        residency = ExpertResidency(shape, page_pool, ranking, plan.offload_limit)
+        residency.place_initial(plan.resident_per_layer)
+        load_buffers = LoadBuffers(shape, page_pool, slots=plan.offload_limit)
+        gates = {layer_id: gate for layer_id, (_, gate) in layers.items()}
+        manager = ExpertManager(shape, buffer, residency, host, load_buffers, gates, device)
+        manager.upload_resident()
+        runtime = cls(
+            config=config,
+            plan=plan,
+            geometry=geometry,
+            page_pool=page_pool,
+            buffer=buffer,
+            shape=shape,
+            residency=residency,
+            manager=manager,
+            device=device,
+        )
+        _ACTIVE = runtime
+        stats = page_pool.stats()
+        logger.info(
+            "sglang-rimuru %s pool: %.3f GiB in %d expert pages of %d B; %d resident experts "
+            "(%d of %d per layer x %d layers), load buffers 2 x %d, KV capacity %d tokens; "
+            "%d experts (%.3f GiB) in host memory",
+            config.mode,
+            geometry.pool_bytes / GIB,
+            geometry.num_expert_pages,
+            geometry.expert_page_bytes,
+            residency.num_resident(),
+            plan.resident_per_layer,
+            shape.num_experts,
+            len(shape.layer_ids),
+            plan.offload_limit,
+            runtime.kv_capacity_tokens,
+            len(shape.layer_ids) * shape.num_experts,
+            host.nbytes / GIB,
+        )
+        logger.debug("sglang-rimuru pool stats: %s", stats)
+        return runtime
+
+    @staticmethod
+    def _check_layer(moe, shape: MoEShape) -> None:
+        cfg = moe.moe_runner_config
+        problems = []
+        if moe.moe_ep_size > 1:
+            problems.append("expert parallelism")
+        if cfg.activation != "silu" or cfg.apply_router_weight_on_input or cfg.gemm1_alpha is not None:
+            problems.append(f"activation {cfg.activation} (silu only)")
+        if getattr(moe, "w13_weight_bias", None) is not None:
+            problems.append("expert biases")
+        expected13 = (shape.num_experts, 2 * shape.inter, shape.hidden)
+        if tuple(moe.w13_weight.shape) != expected13:
+            problems.append(f"w13_weight {tuple(moe.w13_weight.shape)} (expected {expected13})")
+        if problems:
+            raise RuntimeError(f"--rimuru-mode: MoE layer {moe.layer_id} uses {', '.join(problems)}, not supported")
+
+    # -- forward ----------------------------------------------------------
+
+    def moe_forward(self, layer, dispatch_output):
+        """The MoE of one managed layer, experts read from the pool and load buffers."""
+        from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+
+        x = dispatch_output.hidden_states
+        topk_weights, topk_ids = dispatch_output.topk_output[:2]
+        # The next layer's predicted loads go out first, so they overlap this layer's compute.
+        self.manager.prefetch_next(layer.layer_id, x)
+        table = self.manager.prepare_layer(layer.layer_id, topk_ids)
+        out = self.manager.compute(layer.layer_id, x, topk_weights, topk_ids, table)
+        return StandardCombineInput(hidden_states=out)

@@ -1,0 +1,36 @@
+"""Worker-side expert residency: which experts live on which pool pages, the load
+buffers, host copies, per-layer page tables and the per-forward copy protocol.
+
+Imports torch, the standard library and ``sglang_rimuru.pool`` only (and
+``rimuru_kernels`` lazily inside ``ExpertManager.compute_cuda``); never sglang.
+See README.md.
+"""
+
+from .host_store import HostExpertStore
+from .load_buffers import NUM_LOAD_BUFFERS, LoadBuffers, load_buffer_page_owner
+from .manager import BufferContent, ExpertManager, ExpertNotPreparedError, ExpertStats
+from .ranking import FORMAT, VERSION, ExpertRanking, RankingError, load_ranking, save_ranking
+from .residency import ExpertResidency, expert_owners
+from .shapes import MATRIX_NAMES, MoEShape, NotEnoughPagesError
+
+__all__ = [
+    "FORMAT",
+    "MATRIX_NAMES",
+    "NUM_LOAD_BUFFERS",
+    "VERSION",
+    "BufferContent",
+    "ExpertManager",
+    "ExpertNotPreparedError",
+    "ExpertRanking",
+    "ExpertResidency",
+    "ExpertStats",
+    "HostExpertStore",
+    "LoadBuffers",
+    "MoEShape",
+    "NotEnoughPagesError",
+    "RankingError",
+    "expert_owners",
+    "load_buffer_page_owner",
+    "load_ranking",
+    "save_ranking",
+]

@@ -1,0 +1,92 @@
+"""``HostExpertStore``: every expert's weights in host memory, the source of every copy.
+
+One tensor per MoE layer::
+
+    layer tensor  [E, 3, matrix_elems]  shape.dtype, pinned when asked and CUDA exists
+        [e, 0]  W1 (gate) of expert e, [inter, hidden] row-major
+        [e, 1]  W3 (up),                [inter, hidden] row-major
+        [e, 2]  W2 (down),              [hidden, inter] row-major
+
+Each ``[e, m]`` row is exactly what one expert page holds (its first
+``matrix_elems`` elements), so a host->device copy is one flat ``copy_`` per page.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .shapes import MoEShape
+
+__all__ = ["HostExpertStore"]
+
+
+class HostExpertStore:
+    """Host copies of all experts of all MoE layers of one TP rank.
+
+    Contract: ``matrix(layer, expert, m)`` is a flat view (no copy) of
+    ``matrix_elems`` elements; writes through ``put``/``put_fused`` are visible
+    in it.  Memory is pinned only when ``pin_memory`` and CUDA is available
+    (``pinned`` tells which); unpinned memory still works, copies are just
+    synchronous and slower.
+    """
+
+    def __init__(self, shape: MoEShape, pin_memory: bool) -> None:
+        self.shape = shape
+        self.pinned = bool(pin_memory) and torch.cuda.is_available()
+        self._layers: dict[int, torch.Tensor] = {
+            lid: torch.zeros((shape.num_experts, 3, shape.matrix_elems), dtype=shape.dtype,
+                             pin_memory=self.pinned)
+            for lid in shape.layer_ids
+        }
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._layers.values())
+
+    def layer_tensor(self, layer: int) -> torch.Tensor:
+        """The ``[E, 3, matrix_elems]`` host tensor of ``layer``."""
+        self.shape.check_layer(layer)
+        return self._layers[layer]
+
+    def matrix(self, layer: int, expert: int, m: int) -> torch.Tensor:
+        """Flat host view of matrix ``m`` (0 = W1, 1 = W3, 2 = W2) of one expert."""
+        self.shape.check_expert(expert)
+        self.shape.matrix_shape(m)  # validates m
+        return self.layer_tensor(layer)[expert, m]
+
+    def put(self, layer: int, expert: int, w1: torch.Tensor, w3: torch.Tensor,
+            w2: torch.Tensor) -> None:
+        """Copy one expert's W1, W3 ``[inter, hidden]`` and W2 ``[hidden, inter]`` in."""
+        self.shape.check_expert(expert)
+        dst = self.layer_tensor(layer)[expert]
+        for m, (name, w) in enumerate((("w1", w1), ("w3", w3), ("w2", w2))):
+            want = self.shape.matrix_shape(m)
+            self._check(name, w, want)
+        for m, w in enumerate((w1, w3, w2)):
+            dst[m].copy_(w.reshape(-1))
+
+    def put_fused(self, layer: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Copy a whole layer in from SGLang's ``FusedMoE`` layout.
+
+        ``w13``: ``[E, 2*inter, hidden]`` (rows ``[0, inter)`` W1/gate, ``[inter, 2*inter)``
+        W3/up), ``w2``: ``[E, hidden, inter]`` -- ``layer.w13_weight`` / ``layer.w2_weight``.
+        """
+        s = self.shape
+        self._check("w13", w13, (s.num_experts, 2 * s.inter, s.hidden))
+        self._check("w2", w2, (s.num_experts, s.hidden, s.inter))
+        dst = self.layer_tensor(layer)
+        dst[:, 0:2].copy_(w13.reshape(s.num_experts, 2, s.matrix_elems))
+        dst[:, 2].copy_(w2.reshape(s.num_experts, s.matrix_elems))
+
+    def _check(self, name: str, w: torch.Tensor, want: tuple[int, ...]) -> None:
+        if not isinstance(w, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(w).__name__}")
+        if tuple(w.shape) != tuple(want):
+            raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {tuple(want)} "
+                             f"(inter={self.shape.inter}, hidden={self.shape.hidden})")
+        if w.dtype != self.shape.dtype:
+            raise ValueError(f"{name} has dtype {w.dtype}, expected {self.shape.dtype}")
+
+    def __repr__(self) -> str:
+        return (f"HostExpertStore(layers={len(self._layers)}, experts={self.shape.num_experts}, "
+                f"nbytes={self.nbytes}, pinned={self.pinned})")

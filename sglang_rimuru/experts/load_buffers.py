@@ -1,0 +1,95 @@
+"""``LoadBuffers``: the two alternating load buffers of DESIGN §4, as pool pages.
+
+Layer at position ``p`` of ``shape.layer_ids`` uses buffer ``p % 2``, so layer
+p+1's experts can be copied into one buffer while layer p computes from the
+other.  Each buffer has ``slots`` slots of three expert pages (W1, W3, W2)::
+
+    buffer b, slot s, matrix m  ->  one expert page owned by ("load_buffer", b, s, m)
+
+``slots`` is the offload limit: a layer never has more offloaded experts than
+that, so every offloaded expert a step needs fits at once.  The pages are
+ordinary pool pages, so the paged MoE kernel reads a loaded expert exactly as
+it reads a resident one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from sglang_rimuru.pool import UnifiedPagePool
+
+from .shapes import MoEShape, NotEnoughPagesError
+
+__all__ = ["NUM_LOAD_BUFFERS", "LoadBuffers", "load_buffer_page_owner"]
+
+NUM_LOAD_BUFFERS = 2
+
+
+def load_buffer_page_owner(buffer: int, slot: int, m: int) -> Hashable:
+    """Pool owner tag of matrix ``m`` (0 W1, 1 W3, 2 W2) of one load-buffer slot."""
+    return ("load_buffer", buffer, slot, m)
+
+
+class LoadBuffers:
+    """``2 * slots * 3`` expert pages taken from the pool at construction.
+
+    Allocation order (one all-or-nothing call, so page ids are predictable):
+    buffer 0 slot 0 W1, W3, W2, buffer 0 slot 1 ..., then buffer 1.
+    ``release()`` gives them back to the pool.
+    """
+
+    def __init__(self, shape: MoEShape, page_pool: UnifiedPagePool, slots: int) -> None:
+        if isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= shape.num_experts:
+            raise ValueError(f"load buffer slots must be in [0, {shape.num_experts}], got {slots!r}")
+        if page_pool.geometry.expert_page_bytes < shape.expert_page_bytes:
+            raise ValueError(f"the pool's expert page ({page_pool.geometry.expert_page_bytes} B) is "
+                             f"smaller than one expert matrix ({shape.expert_page_bytes} B)")
+        self.shape = shape
+        self.page_pool = page_pool
+        self.slots = slots
+        owners = [load_buffer_page_owner(b, s, m)
+                  for b in range(NUM_LOAD_BUFFERS) for s in range(slots) for m in range(3)]
+        pages = page_pool.alloc_expert_pages(len(owners), owners)
+        if pages is None:
+            free = page_pool.free_expert_page_count()
+            raise NotEnoughPagesError(
+                f"the two expert load buffers ({slots} slots each, "
+                f"--rimuru-expert-offload-limit={slots}) need {len(owners)} expert pages "
+                f"({len(owners) * page_pool.geometry.expert_page_bytes} B), the pool has {free} free")
+        it = iter(pages)
+        self._pages: list[list[tuple[int, int, int]]] = [
+            [(next(it), next(it), next(it)) for _ in range(slots)] for _ in range(NUM_LOAD_BUFFERS)
+        ]
+        self._released = False
+
+    @property
+    def num_buffers(self) -> int:
+        return NUM_LOAD_BUFFERS
+
+    def buffer_of_position(self, position: int) -> int:
+        """The buffer of the MoE layer at ``position`` in ``shape.layer_ids``."""
+        return position % NUM_LOAD_BUFFERS
+
+    def buffer_of_layer(self, layer_id: int) -> int:
+        return self.buffer_of_position(self.shape.position(layer_id))
+
+    def pages(self, buffer: int, slot: int) -> tuple[int, int, int]:
+        """``(W1 page, W3 page, W2 page)`` of one slot."""
+        if self._released:
+            raise RuntimeError("load buffers were released")
+        if buffer not in range(NUM_LOAD_BUFFERS) or slot not in range(self.slots):
+            raise ValueError(f"load buffer ({buffer}, {slot}) out of range "
+                             f"({NUM_LOAD_BUFFERS} buffers x {self.slots} slots)")
+        return self._pages[buffer][slot]
+
+    def all_pages(self) -> list[int]:
+        return [p for buf in self._pages for slot in buf for p in slot]
+
+    def release(self) -> None:
+        """Return every page to the pool (shutdown, or before re-sizing)."""
+        if not self._released:
+            self.page_pool.free_expert_pages(self.all_pages())
+            self._released = True
+
+    def __repr__(self) -> str:
+        return f"LoadBuffers(buffers={NUM_LOAD_BUFFERS}, slots={self.slots})"

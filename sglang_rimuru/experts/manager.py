@@ -1,0 +1,489 @@
+"""``ExpertManager``: the worker side of expert residency -- page tables, copies, compute.
+
+Called from SGLang's MoE layer on the TP worker, layer by layer, in forward order::
+
+    manager.begin_forward()
+    for each MoE layer l (position p in shape.layer_ids):
+        manager.prefetch_next(l, hidden)          # guess layer p+1's experts, copy them
+        table = manager.prepare_layer(l, topk_ids) # make every routed expert readable
+        out = manager.compute(l, hidden, topk_weights, topk_ids, table)
+    manager.end_forward()
+
+State map::
+
+    _tables[l]        int32 [E, 3] on device, persistent, updated in place:
+                        resident expert e -> its pages (W1, W3, W2)
+                        offloaded e routed in the last prepare_layer(l) -> its load-buffer slot's pages
+                        every other row   -> -1
+    _loaded_rows[l]   {expert: slot} of the rows above that point into the load buffer
+    _bufs[b]          what buffer b holds *in this forward*: the layer and {expert: slot};
+                      forgotten by begin_forward (prefetches live within one forward)
+    _offloaded_now[l] the offloaded experts of l (ranking order) as of the last table
+                      refresh: within a forward, residency is what the tables say
+    _pending[b]       slots of b written by prefetch copies the compute stream has not
+                      waited for yet (a load into such a slot must wait for them first)
+
+Streams (CUDA only; on CPU every copy is synchronous and the flow is the same):
+
+* ``_prefetch_stream`` carries ``prefetch_next``'s copies, ``_load_stream`` the
+  on-demand loads of ``prepare_layer``, so a miss never queues behind the next
+  layer's prefetch.
+* Before a copy into buffer b, the copy stream waits for an event recorded on
+  the compute stream at that moment: every earlier reader of b (the layer two
+  positions back, and any earlier forward) was enqueued before it.
+* ``prepare_layer`` makes the compute stream wait for the copies of its layer
+  (the prefetch event when a prefetched expert is used, the load event when it
+  loaded any) before returning the table.
+
+``prepare_layer`` and ``prefetch_next`` read routing on the host (one device
+sync each) whenever the layer has offloaded experts: not CUDA-graph safe in
+that case.  A layer with every expert resident returns its table without a sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from sglang_rimuru.pool import PoolBuffer
+
+from .host_store import HostExpertStore
+from .load_buffers import NUM_LOAD_BUFFERS, LoadBuffers
+from .residency import ExpertResidency
+from .shapes import MoEShape
+
+__all__ = ["BufferContent", "ExpertManager", "ExpertNotPreparedError", "ExpertStats"]
+
+
+class ExpertNotPreparedError(RuntimeError):
+    """A routed expert has no pages in the table passed to compute (prepare_layer not called?)."""
+
+
+@dataclass(frozen=True)
+class ExpertStats:
+    """Counters since construction (a snapshot)."""
+
+    forwards: int = 0
+    layers_prepared: int = 0
+    prefetched: int = 0  # experts copied into a load buffer by prefetch_next
+    prefetch_hits: int = 0  # routed offloaded experts found already prefetched
+    on_demand_loads: int = 0  # routed offloaded experts copied by prepare_layer (misses)
+    bytes_copied: int = 0  # host -> device bytes of all those copies
+
+    @property
+    def prefetch_hit_rate(self) -> float:
+        n = self.prefetch_hits + self.on_demand_loads
+        return self.prefetch_hits / n if n else 0.0
+
+
+class BufferContent(NamedTuple):
+    """What one load buffer holds in this forward: its layer and ``{expert: slot}``."""
+
+    layer: int | None
+    slots: dict[int, int]
+
+
+class _BufferState:
+    __slots__ = ("layer", "slot_of")
+
+    def __init__(self) -> None:
+        self.layer: int | None = None
+        self.slot_of: dict[int, int] = {}
+
+    def reset(self, layer: int | None) -> None:
+        self.layer = layer
+        self.slot_of = {}
+
+
+class ExpertManager:
+    """Per-layer page tables over resident experts and the two load buffers.
+
+    Contract:
+      * ``table(l)`` / the tensor ``prepare_layer(l, ...)`` returns is the same
+        persistent ``int32 [E, 3]`` tensor every step (its address never changes);
+      * after ``prepare_layer(l, topk_ids)``, every expert in ``topk_ids`` has a
+        row that points at pages holding its weights (resident pages or a
+        load-buffer slot), and the compute stream is ordered after the copies;
+      * the rows of experts that are neither resident nor routed in that step are -1;
+      * resident-set changes (``ExpertResidency.evict`` / ``admit``) reach the
+        tables at ``begin_forward`` / ``end_forward`` / ``refresh_tables()``,
+        never in the middle of a layer.
+    """
+
+    def __init__(
+        self,
+        shape: MoEShape,
+        pool_buffer: PoolBuffer,
+        residency: ExpertResidency,
+        host_store: HostExpertStore,
+        load_buffers: LoadBuffers,
+        gates: dict[int, torch.Tensor] | None,
+        device: torch.device | str,
+    ) -> None:
+        for name, obj in (("residency", residency), ("host_store", host_store),
+                          ("load_buffers", load_buffers)):
+            if obj.shape != shape:
+                raise ValueError(f"{name}.shape {obj.shape} differs from {shape}")
+        if load_buffers.page_pool is not residency.page_pool:
+            raise ValueError("load_buffers and residency use different page pools")
+        if pool_buffer.geometry != residency.page_pool.geometry:
+            raise ValueError("pool_buffer and the page pool have different geometries")
+        if load_buffers.slots < residency.offload_limit:
+            raise ValueError(f"load buffers have {load_buffers.slots} slots, fewer than the offload "
+                             f"limit {residency.offload_limit} (--rimuru-expert-offload-limit)")
+        self.device = _normalize(torch.device(device))
+        if _normalize(pool_buffer.device) != self.device:
+            raise ValueError(f"pool_buffer is on {pool_buffer.device}, manager device is {self.device}")
+        self.shape = shape
+        self.pool_buffer = pool_buffer
+        self.residency = residency
+        self.host_store = host_store
+        self.load_buffers = load_buffers
+        self.gates = self._checked_gates(gates)
+        self.page_elems = pool_buffer.expert_page_elems(shape.dtype)
+        self.pool_flat = pool_buffer.expert_pages_flat(shape.dtype)
+
+        e = shape.num_experts
+        self._tables = {l: torch.full((e, 3), -1, dtype=torch.int32, device=self.device)
+                        for l in shape.layer_ids}
+        self._table_version = {l: -1 for l in shape.layer_ids}
+        self._offloaded_now: dict[int, list[int]] = {}  # per layer, at the last refresh
+        self._loaded_rows: dict[int, dict[int, int]] = {l: {} for l in shape.layer_ids}
+        ranking = residency.ranking
+        self._rank = {l: [ranking.rank(l, x) for x in range(e)] for l in shape.layer_ids}
+        self._bufs = [_BufferState() for _ in range(NUM_LOAD_BUFFERS)]
+        self._pending: list[set[int]] = [set() for _ in range(NUM_LOAD_BUFFERS)]
+        self._in_forward = False
+        self._n = dict(forwards=0, layers_prepared=0, prefetched=0, prefetch_hits=0,
+                       on_demand_loads=0, bytes_copied=0)
+
+        self._cuda = self.device.type == "cuda"
+        if self._cuda:
+            self._prefetch_stream = torch.cuda.Stream(self.device)
+            self._load_stream = torch.cuda.Stream(self.device)
+            self._ready_ev = torch.cuda.Event()
+            self._prefetch_ev = [torch.cuda.Event() for _ in range(NUM_LOAD_BUFFERS)]
+            self._load_ev = [torch.cuda.Event() for _ in range(NUM_LOAD_BUFFERS)]
+        self.refresh_tables()
+
+    # ================================================================ forward protocol
+
+    def begin_forward(self) -> None:
+        """Start a forward pass: forget what the load buffers hold; apply residency changes."""
+        self._in_forward = True
+        self._n["forwards"] += 1
+        for st in self._bufs:
+            st.reset(None)
+        self.refresh_tables()
+
+    def end_forward(self) -> None:
+        """End a forward pass.  Hook point: residency changes made during the pass
+        (evictions) reach the tables here, after every layer has run."""
+        self._in_forward = False
+        self.refresh_tables()
+
+    @property
+    def in_forward(self) -> bool:
+        """Between ``begin_forward`` and ``end_forward``."""
+        return self._in_forward
+
+    def prepare_layer(self, layer_id: int, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Make every expert routed in ``topk_ids`` readable; return the layer's table.
+
+        Offloaded routed experts: a slot of buffer ``position % 2`` that the
+        prefetch filled (hit), else copied now from the host store into the
+        lowest slot holding nothing in this forward (miss); misses in ranking order.
+        "Offloaded" means offloaded at the last table refresh: an expert evicted
+        during this forward is still read from its resident pages.
+        """
+        pos = self.shape.position(layer_id)
+        self._n["layers_prepared"] += 1
+        table = self._tables[layer_id]
+        offloaded = self._offloaded_now[layer_id]
+        if not offloaded and not self._loaded_rows[layer_id]:
+            return table  # every expert resident: no sync, graph-safe
+        ids = torch.unique(topk_ids).tolist()  # device sync
+        e_count = self.shape.num_experts
+        if ids and (ids[0] < 0 or ids[-1] >= e_count):
+            bad = [i for i in ids if not 0 <= i < e_count]
+            raise ValueError(f"layer {layer_id}: topk_ids hold expert ids outside [0, {e_count}): {bad[:8]}")
+        routed = set(ids)
+        needed = [e for e in offloaded if e in routed]  # ranking order
+
+        b = pos % NUM_LOAD_BUFFERS
+        st = self._bufs[b]
+        if st.layer != layer_id:
+            st.reset(layer_id)
+        hits = [e for e in needed if e in st.slot_of]
+        misses = [e for e in needed if e not in st.slot_of]
+        if misses:
+            plan = self._assign_slots(st, misses, layer_id)
+            self._copy_into_buffer(layer_id, b, plan, prefetch=False)
+            self._n["on_demand_loads"] += len(misses)
+        self._n["prefetch_hits"] += len(hits)
+
+        self._update_rows(layer_id, b, {e: st.slot_of[e] for e in needed})
+        if self._cuda:
+            compute = torch.cuda.current_stream(self.device)
+            if self._pending[b] and any(st.slot_of[e] in self._pending[b] for e in hits):
+                compute.wait_event(self._prefetch_ev[b])
+                self._pending[b].clear()
+            if misses:
+                compute.wait_event(self._load_ev[b])
+        return table
+
+    def prefetch_next(self, layer_id: int, hidden_states: torch.Tensor) -> None:
+        """Guess the next MoE layer's experts from this layer's MoE input and copy them.
+
+        ``gates[next](hidden_states)`` -> top_k per token -> the offloaded ones,
+        most tokens first (ties: ranking order), at most ``slots`` -> slots
+        0, 1, ... of the next layer's buffer.  No-op without gates, on the last
+        layer, or when the next layer has nothing offloaded.
+        """
+        nxt = self.shape.next_layer(layer_id)
+        if self.gates is None or nxt is None:
+            return
+        offloaded = self._offloaded_now[nxt]
+        if not offloaded or hidden_states.shape[0] == 0:
+            return
+        if hidden_states.dim() != 2 or hidden_states.shape[1] != self.shape.hidden:
+            raise ValueError(f"hidden_states must be [T, {self.shape.hidden}], "
+                             f"got {tuple(hidden_states.shape)}")
+        gate = self.gates[nxt]
+        logits = F.linear(hidden_states.to(gate.dtype), gate)
+        picked = torch.topk(logits, self.shape.top_k, dim=-1).indices
+        counts = torch.bincount(picked.reshape(-1), minlength=self.shape.num_experts).tolist()
+        want = [e for e in offloaded if counts[e] > 0]
+        want.sort(key=lambda e: -counts[e])  # stable: ties stay in ranking order
+        want = want[: self.load_buffers.slots]
+
+        b = self.shape.position(nxt) % NUM_LOAD_BUFFERS
+        st = self._bufs[b]
+        if st.layer != nxt:
+            st.reset(nxt)
+        new = [e for e in want if e not in st.slot_of]
+        if not new:
+            return
+        plan = self._assign_slots(st, new, nxt)
+        self._copy_into_buffer(nxt, b, plan, prefetch=True)
+        self._n["prefetched"] += len(plan)
+
+    # ================================================================ compute
+
+    def compute(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """``compute_cuda`` for CUDA tensors, ``compute_cpu`` otherwise."""
+        if hidden.device.type == "cuda":
+            return self.compute_cuda(layer_id, hidden, topk_weights, topk_ids, table)
+        return self.compute_cpu(layer_id, hidden, topk_weights, topk_ids, table)
+
+    def compute_cuda(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, table: torch.Tensor,
+                     config: dict | None = None) -> torch.Tensor:
+        """The paged Triton kernel (``rimuru_kernels.paged_fused_moe``) over the pool.
+
+        Also runs on CPU tensors when ``TRITON_INTERPRET=1`` was set before
+        ``rimuru_kernels`` was first imported (tests only).
+        """
+        from rimuru_kernels import paged_fused_moe  # lazy: triton only where it runs
+
+        self.shape.check_layer(layer_id)
+        return paged_fused_moe(hidden, self.pool_flat, table, topk_weights, topk_ids,
+                               inter_size=self.shape.inter, page_elems=self.page_elems,
+                               config=config)
+
+    def compute_cpu(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """Torch path, bit-identical to SGLang 0.5.17 ``moe_forward_native`` (silu, no bias)
+        on ``w13 = cat(W1, W3)`` / ``w2``: same ops, same order, same dtypes.
+        (SGLang's fails on zero tokens; this returns an empty ``[0, hidden]``.)"""
+        self.shape.check_layer(layer_id)
+        if topk_ids.shape[0] == 0:
+            return hidden.new_empty((0, hidden.shape[-1]))
+        len_experts = self.shape.num_experts
+        rows = table.tolist()
+
+        cnts = topk_ids.new_zeros((topk_ids.shape[0], len_experts))
+        cnts.scatter_(1, topk_ids.to(torch.int64), 1)
+        tokens_per_expert = cnts.sum(dim=0)
+        idxs = topk_ids.view(-1).argsort()
+
+        sorted_tokens = hidden[idxs // topk_ids.shape[1]]
+        tokens_per_expert = tokens_per_expert.cpu().tolist()
+
+        outputs = []
+        start_idx = 0
+        for i, num_tokens in enumerate(tokens_per_expert):
+            end_idx = start_idx + num_tokens
+            if num_tokens == 0:
+                continue
+            tokens_for_this_expert = sorted_tokens[start_idx:end_idx]
+            p1, p3, p2 = rows[i]
+            if min(p1, p3, p2) < 0:
+                raise ExpertNotPreparedError(
+                    f"layer {layer_id}: expert {i} is routed but its table row is {rows[i]} "
+                    f"(call prepare_layer first)")
+            w13 = torch.cat((self._page(p1, 0), self._page(p3, 1)))
+            gate_up = F.linear(tokens_for_this_expert, w13)
+            d = gate_up.shape[-1] // 2
+            gate_up = F.silu(gate_up[..., :d]) * gate_up[..., d:]
+            expert_out = F.linear(gate_up, self._page(p2, 2))
+            outputs.append(expert_out)
+            start_idx = end_idx
+
+        outs = torch.cat(outputs, dim=0) if len(outputs) else sorted_tokens.new_empty(0)
+        new_x = torch.empty_like(outs)
+
+        new_x[idxs] = outs
+        final_out = (
+            new_x.view(*topk_ids.shape, -1)
+            .type(topk_weights.dtype)
+            .mul_(topk_weights.unsqueeze(dim=-1))
+            .sum(dim=1)
+            .type(new_x.dtype)
+        )
+        return final_out
+
+    # ================================================================ tables, state
+
+    def table(self, layer_id: int) -> torch.Tensor:
+        """The persistent ``int32 [E, 3]`` page table of ``layer_id``."""
+        self.shape.check_layer(layer_id)
+        return self._tables[layer_id]
+
+    def refresh_tables(self) -> None:
+        """Rewrite the tables of layers whose resident set changed: resident rows get
+        their pages, every other row -1 (rows into the load buffer are dropped)."""
+        for l in self.shape.layer_ids:
+            v = self.residency.version(l)
+            if v == self._table_version[l]:
+                continue
+            host = torch.full((self.shape.num_experts, 3), -1, dtype=torch.int32)
+            for e, pages in self.residency.resident_pages(l).items():
+                host[e] = torch.tensor(pages, dtype=torch.int32)
+            self._tables[l].copy_(host)
+            self._loaded_rows[l] = {}
+            self._offloaded_now[l] = self.residency.offloaded(l)
+            self._table_version[l] = v
+
+    def upload_resident(self) -> None:
+        """Copy every resident expert's weights from the host store into its pages
+        (start-up; synchronous).  Not counted in ``stats()``."""
+        for l in self.shape.layer_ids:
+            for e, pages in self.residency.resident_pages(l).items():
+                self._copy_expert(l, e, pages, non_blocking=False)
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def upload_expert(self, layer: int, expert: int, pages: tuple[int, int, int]) -> None:
+        """Copy one expert from the host store into ``pages`` (W1, W3, W2) on the
+        current stream, synchronously: e.g. before ``ExpertResidency.admit``."""
+        self.shape.check_layer(layer)
+        self.shape.check_expert(expert)
+        self._copy_expert(layer, expert, tuple(pages), non_blocking=False)
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def buffer_content(self, buffer: int) -> BufferContent:
+        st = self._bufs[buffer]
+        return BufferContent(st.layer, dict(st.slot_of))
+
+    def stats(self) -> ExpertStats:
+        return ExpertStats(**self._n)
+
+    # ================================================================ internals
+
+    def _checked_gates(self, gates: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor] | None:
+        if gates is None:
+            return None
+        want = (self.shape.num_experts, self.shape.hidden)
+        for l in self.shape.layer_ids[1:]:
+            g = gates.get(l)
+            if g is None:
+                raise ValueError(f"gates: no router weight for MoE layer {l} "
+                                 f"(needed to prefetch it from the layer before)")
+            if tuple(g.shape) != want:
+                raise ValueError(f"gates[{l}] has shape {tuple(g.shape)}, expected {want}")
+            if _normalize(g.device) != self.device:
+                raise ValueError(f"gates[{l}] is on {g.device}, expected {self.device}")
+        return dict(gates)
+
+    def _page(self, page: int, m: int) -> torch.Tensor:
+        start = page * self.page_elems
+        return self.pool_flat[start: start + self.shape.matrix_elems].view(self.shape.matrix_shape(m))
+
+    def _copy_expert(self, layer: int, expert: int, pages: tuple[int, int, int],
+                     non_blocking: bool) -> None:
+        me = self.shape.matrix_elems
+        for m, p in enumerate(pages):
+            start = p * self.page_elems
+            self.pool_flat[start: start + me].copy_(
+                self.host_store.matrix(layer, expert, m), non_blocking=non_blocking)
+
+    def _assign_slots(self, st: _BufferState, experts: list[int], layer: int) -> list[tuple[int, int]]:
+        """Give each expert the lowest slot not holding anything in this forward.
+
+        Enough slots always exist: a buffer holds only experts of one layer that
+        were offloaded at the last table refresh, at most ``offload_limit <= slots``.
+        """
+        used = set(st.slot_of.values())
+        free = [s for s in range(self.load_buffers.slots) if s not in used]
+        if len(experts) > len(free):
+            raise RuntimeError(f"layer {layer}: load buffer has {len(free)} free slots, "
+                               f"{len(experts)} experts to load (offload limit exceeded?)")
+        plan = list(zip(experts, free))
+        st.slot_of.update(plan)
+        return plan
+
+    def _copy_into_buffer(self, layer: int, b: int, plan: list[tuple[int, int]],
+                          prefetch: bool) -> None:
+        """Copy ``(expert, slot)`` pairs of ``layer`` into buffer ``b``."""
+        self._n["bytes_copied"] += len(plan) * self.shape.expert_bytes
+        if not self._cuda:
+            for e, s in plan:
+                self._copy_expert(layer, e, self.load_buffers.pages(b, s), non_blocking=False)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        stream = self._prefetch_stream if prefetch else self._load_stream
+        self._ready_ev.record(compute)  # after every earlier reader of buffer b
+        stream.wait_event(self._ready_ev)
+        if not prefetch and any(s in self._pending[b] for _, s in plan):
+            stream.wait_event(self._prefetch_ev[b])  # write-after-write on a prefetched slot
+        with torch.cuda.stream(stream):
+            for e, s in plan:
+                self._copy_expert(layer, e, self.load_buffers.pages(b, s), non_blocking=True)
+        if prefetch:
+            self._prefetch_ev[b].record(stream)
+            self._pending[b].update(s for _, s in plan)
+        else:
+            self._load_ev[b].record(stream)
+
+    def _update_rows(self, layer: int, b: int, rows: dict[int, int]) -> None:
+        """Point ``rows`` (expert -> slot of buffer b) at their slots; reset stale ones to -1."""
+        old = self._loaded_rows[layer]
+        if old == rows:
+            return
+        changes = []
+        for e, s in old.items():
+            if e not in rows:
+                changes.append((e, -1, -1, -1))
+        for e, s in rows.items():
+            if old.get(e) != s:
+                changes.append((e, *self.load_buffers.pages(b, s)))
+        if changes:
+            upd = torch.tensor(changes, dtype=torch.int32).to(self.device)
+            self._tables[layer][upd[:, 0].long()] = upd[:, 1:]
+        self._loaded_rows[layer] = dict(rows)
+
+    def __repr__(self) -> str:
+        return (f"ExpertManager(layers={self.shape.num_layers}, device={self.device}, "
+                f"slots={self.load_buffers.slots}, {self.stats()})")
+
+
+def _normalize(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -1,0 +1,201 @@
+"""Sizing the unified pool for a model, and the checks that must pass before weights load.
+
+Everything here reads a model's ``config.json`` and the project's flags; no
+SGLang, no tensors. The launcher calls :func:`plan_pool` before SGLang loads
+anything, so a dense model, an offload limit above the expert count or a pool
+too small for one expert per layer plus one request is a one-line error. The
+scheduler process builds the same plan again (with the real KV dtype and
+TP shard) when it creates the pool.
+
+Pool contents, in expert-page units (one routed expert = 3 expert pages:
+W1, W3, W2 of one TP shard)::
+
+    1                          page holding SGLang's dummy KV slot 0
+    2 * offload_limit * 3      the two load buffers
+    layers * resident * 3      resident experts
+    the rest                   KV pages (and, later, experts restored by the adjuster)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from sglang_rimuru.config import RimuruConfig
+
+GIB = 1 << 30
+
+
+class PlanError(ValueError):
+    """The model and the flags do not make a usable pool (message names the flag)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What the pool needs to know about a model, from its ``config.json``."""
+
+    moe_layer_ids: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    hidden: int
+    moe_inter: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    context_len: int
+
+    @classmethod
+    def from_config(cls, config: dict, where: str = "config.json") -> "ModelFacts":
+        experts = config.get("num_experts") or config.get("num_local_experts") or 0
+        if not experts or not config.get("moe_intermediate_size", config.get("intermediate_size")):
+            raise PlanError(
+                f"--rimuru-mode needs a Mixture-of-Experts model; {where} describes a dense model "
+                f"({config.get('architectures', ['?'])[0]}: no routed experts)"
+            )
+        layers = int(config["num_hidden_layers"])
+        step = int(config.get("decoder_sparse_step", 1) or 1)
+        dense_layers = set(config.get("mlp_only_layers", []) or [])
+        moe_layers = tuple(i for i in range(layers) if i not in dense_layers and (i + 1) % step == 0)
+        if not moe_layers:
+            raise PlanError(f"--rimuru-mode needs a Mixture-of-Experts model; {where} has no MoE layer")
+        heads = int(config["num_attention_heads"])
+        return cls(
+            moe_layer_ids=moe_layers,
+            num_experts=int(experts),
+            top_k=int(config.get("num_experts_per_tok", 1)),
+            hidden=int(config["hidden_size"]),
+            moe_inter=int(config.get("moe_intermediate_size") or config["intermediate_size"]),
+            num_layers=layers,
+            num_kv_heads=int(config.get("num_key_value_heads", heads)),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            context_len=int(config.get("max_position_embeddings", 4096)),
+        )
+
+    @classmethod
+    def from_model_path(cls, path: str | Path) -> "ModelFacts":
+        file = Path(path) / "config.json"
+        try:
+            config = json.loads(file.read_text())
+        except FileNotFoundError:
+            raise PlanError(f"--rimuru-mode: {file} not found") from None
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"--rimuru-mode: {file} is not valid JSON ({exc})") from None
+        return cls.from_config(config, where=str(file))
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    """Page sizes and counts of one TP rank's pool."""
+
+    num_moe_layers: int
+    num_experts: int
+    resident_per_layer: int
+    offload_limit: int
+    expert_page_bytes: int
+    kv_page_bytes: int
+    token_bytes: int
+    page_size: int
+    request_tokens: int  # the "one request" every pool must be able to hold
+    pool_bytes: int | None  # None: sized on the device from SGLang's KV budget
+
+    @property
+    def kv_pages_per_expert_page(self) -> int:
+        """KV pages that fit wholly in every expert page (the geometry's minimum)."""
+        if self.expert_page_bytes % self.kv_page_bytes == 0:
+            return self.expert_page_bytes // self.kv_page_bytes
+        return self.expert_page_bytes // self.kv_page_bytes - 1
+
+    @property
+    def fixed_expert_pages(self) -> int:
+        """Pages that are never KV: dummy slot, load buffers, resident experts."""
+        return 1 + 2 * self.offload_limit * 3 + self.num_moe_layers * self.resident_per_layer * 3
+
+    def expert_pages_for_tokens(self, tokens: int) -> int:
+        kv_pages = math.ceil(tokens / self.page_size)
+        return math.ceil(kv_pages / self.kv_pages_per_expert_page)
+
+    def bytes_for(self, kv_tokens: int) -> int:
+        return (self.fixed_expert_pages + self.expert_pages_for_tokens(kv_tokens)) * self.expert_page_bytes
+
+    @property
+    def min_pool_bytes(self) -> int:
+        return self.bytes_for(self.request_tokens)
+
+    def check_pool_bytes(self, pool_bytes: int, flag: str = "--rimuru-pool-gb") -> None:
+        if pool_bytes < self.min_pool_bytes:
+            experts = self.num_moe_layers * self.resident_per_layer * 3 * self.expert_page_bytes
+            buffers = 2 * self.offload_limit * 3 * self.expert_page_bytes
+            kv = self.bytes_for(self.request_tokens) - self.bytes_for(0)
+            raise PlanError(
+                f"{flag}: a pool of {pool_bytes / GIB:.4g} GiB cannot hold {self.resident_per_layer} resident "
+                f"experts x {self.num_moe_layers} layers ({experts / GIB:.4g} GiB), the load buffers "
+                f"({buffers / GIB:.4g} GiB) and one request of {self.request_tokens} tokens "
+                f"({kv / GIB:.4g} GiB); it needs at least {self.min_pool_bytes / GIB:.4g} GiB"
+            )
+
+
+def plan_pool(
+    facts: ModelFacts,
+    config: RimuruConfig,
+    *,
+    tp_size: int = 1,
+    page_size: int = 1,
+    dtype_bytes: int = 2,
+    kv_dtype_bytes: int | None = None,
+    max_total_tokens: int | None = None,
+    context_len: int | None = None,
+) -> PoolPlan:
+    """Check the flags against the model and size one TP rank's pool."""
+    experts = facts.num_experts
+    limit = experts // 2 if config.expert_offload_limit is None else config.expert_offload_limit
+    if limit > experts:
+        raise PlanError(
+            f"--rimuru-expert-offload-limit {limit} is above the {experts} routed experts of each MoE layer"
+        )
+    resident = experts - limit if config.resident_experts is None else config.resident_experts
+    if resident < 1:
+        raise PlanError(f"--rimuru-resident-experts {resident}: each MoE layer must keep at least one expert resident")
+    if resident > experts:
+        raise PlanError(f"--rimuru-resident-experts {resident} is above the {experts} routed experts of each MoE layer")
+    if experts - resident > limit:
+        raise PlanError(
+            f"--rimuru-resident-experts {resident} offloads {experts - resident} experts per layer, "
+            f"above --rimuru-expert-offload-limit {limit}"
+        )
+    if page_size != 1:
+        raise PlanError(
+            f"--page-size {page_size}: --rimuru-mode supports page size 1 only "
+            "(SGLang 0.5.17's paged allocator is Triton-only and not pool-aware)"
+        )
+    if facts.moe_inter % tp_size:
+        raise PlanError(f"--tp-size {tp_size} does not divide the expert intermediate size {facts.moe_inter}")
+    inter = facts.moe_inter // tp_size
+    kv_heads = max(1, facts.num_kv_heads // tp_size)
+    token_bytes = facts.num_layers * 2 * kv_heads * facts.head_dim * (kv_dtype_bytes or dtype_bytes)
+    plan = PoolPlan(
+        num_moe_layers=len(facts.moe_layer_ids),
+        num_experts=experts,
+        resident_per_layer=resident,
+        offload_limit=limit,
+        expert_page_bytes=inter * facts.hidden * dtype_bytes,
+        kv_page_bytes=page_size * token_bytes,
+        token_bytes=token_bytes,
+        page_size=page_size,
+        request_tokens=min(context_len or facts.context_len, max_total_tokens or 1 << 62),
+        pool_bytes=None,
+    )
+    if plan.kv_page_bytes > plan.expert_page_bytes:
+        raise PlanError(
+            f"a KV page ({plan.kv_page_bytes} B: {page_size} tokens of all layers) is larger than an expert "
+            f"page ({plan.expert_page_bytes} B); the pool splits expert pages into KV pages"
+        )
+    if config.pool_gb is not None:
+        pool_bytes = int(config.pool_gb * GIB)
+        plan.check_pool_bytes(pool_bytes)
+    elif max_total_tokens is not None:
+        pool_bytes = plan.bytes_for(max(max_total_tokens, plan.request_tokens))
+    else:
+        pool_bytes = None
+    return dataclasses.replace(plan, pool_bytes=pool_bytes)

@@ -1,0 +1,103 @@
+"""Pool sizing and the start-up checks, from config.json facts (no SGLang)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_rimuru.config import RimuruConfig
+from sglang_rimuru.plan import GIB, ModelFacts, PlanError, plan_pool
+
+TINY = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "max_position_embeddings": 4096,
+}
+QWEN15 = {
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "hidden_size": 2048,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "num_experts": 60,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 1408,
+    "max_position_embeddings": 8192,
+}
+STATIC = RimuruConfig(mode="static")
+
+
+def test_facts_of_a_qwen3_moe_config():
+    facts = ModelFacts.from_config(TINY)
+    assert facts == ModelFacts(
+        moe_layer_ids=(0, 1), num_experts=8, top_k=2, hidden=64, moe_inter=32,
+        num_layers=2, num_kv_heads=2, head_dim=64, context_len=4096,
+    )
+
+
+def test_sparse_step_and_dense_layers():
+    facts = ModelFacts.from_config({**TINY, "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert facts.moe_layer_ids == (1, 5)
+
+
+def test_dense_model_is_refused():
+    dense = {k: v for k, v in TINY.items() if k not in ("num_experts", "moe_intermediate_size")}
+    dense["architectures"] = ["Qwen3ForCausalLM"]
+    with pytest.raises(PlanError, match=r"--rimuru-mode needs a Mixture-of-Experts model; x/config.json describes a dense model \(Qwen3ForCausalLM"):
+        ModelFacts.from_config(dense, where="x/config.json")
+
+
+def test_tiny_plan_from_max_total_tokens():
+    plan = plan_pool(ModelFacts.from_config(TINY), STATIC, max_total_tokens=8192)
+    # expert page: 32 x 64 bf16; token: 2 layers x K,V x 2 heads x 64 x 2 B
+    assert (plan.expert_page_bytes, plan.token_bytes, plan.kv_page_bytes) == (4096, 1024, 1024)
+    assert (plan.resident_per_layer, plan.offload_limit) == (4, 4)
+    assert plan.fixed_expert_pages == 1 + 2 * 4 * 3 + 2 * 4 * 3  # dummy slot, load buffers, residents
+    assert plan.kv_pages_per_expert_page == 4
+    assert plan.pool_bytes == (49 + 8192 // 4) * 4096
+
+
+def test_qwen15_pages_do_not_divide():
+    plan = plan_pool(ModelFacts.from_config(QWEN15), STATIC)
+    assert plan.expert_page_bytes == 2048 * 1408 * 2 == 5_767_168
+    assert plan.token_bytes == 24 * 2 * 16 * 128 * 2 == 196_608
+    assert plan.kv_pages_per_expert_page == 28  # 29.33 fit on average; 28 in every page
+    assert plan.pool_bytes is None  # sized on the GPU from SGLang's KV budget
+    assert plan_pool(ModelFacts.from_config(QWEN15), STATIC, tp_size=2).expert_page_bytes == 2048 * 704 * 2
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (RimuruConfig(mode="static", expert_offload_limit=9), r"--rimuru-expert-offload-limit 9 is above the 8 routed experts"),
+        (RimuruConfig(mode="static", resident_experts=0), r"--rimuru-resident-experts 0: each MoE layer must keep at least one"),
+        (RimuruConfig(mode="static", resident_experts=9), r"--rimuru-resident-experts 9 is above the 8"),
+        (RimuruConfig(mode="static", resident_experts=2, expert_offload_limit=4), r"offloads 6 experts per layer, above --rimuru-expert-offload-limit 4"),
+        (RimuruConfig(mode="static", pool_gb=0.001), r"--rimuru-pool-gb: a pool of 0.001 GiB cannot hold 4 resident experts x 2 layers .* one request of 4096 tokens .* at least 0.00\d+ GiB"),
+    ],
+)
+def test_bad_flags_name_the_flag(config, message):
+    with pytest.raises(PlanError, match=message):
+        plan_pool(ModelFacts.from_config(TINY), config)
+
+
+def test_page_size_above_one_is_refused():
+    with pytest.raises(PlanError, match=r"--page-size 16: --rimuru-mode supports page size 1 only"):
+        plan_pool(ModelFacts.from_config(TINY), STATIC, page_size=16)
+
+
+def test_smallest_pool_that_passes():
+    plan = plan_pool(ModelFacts.from_config(TINY), STATIC)
+    assert plan.min_pool_bytes == (49 + 4096 // 4) * 4096
+    plan_pool(ModelFacts.from_config(TINY), RimuruConfig(mode="static", pool_gb=plan.min_pool_bytes / GIB))
+
+
+def test_mode_off_rejects_pool_flags():
+    with pytest.raises(ValueError, match=r"--rimuru-pool-gb need --rimuru-mode static"):
+        RimuruConfig(pool_gb=1.0)

@@ -1,0 +1,153 @@
+"""ExpertResidency, LoadBuffers and HostExpertStore on a real pool: exact page ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_rimuru.experts import (
+    ExpertRanking,
+    ExpertResidency,
+    HostExpertStore,
+    LoadBuffers,
+    NotEnoughPagesError,
+    RankingError,
+    expert_owners,
+)
+from sglang_rimuru.pool import ExpertKey
+
+from .rig import make_pool, make_rig, tiny_shape
+
+LAYER0 = {3: (0, 1, 2), 1: (3, 4, 5), 4: (6, 7, 8), 0: (9, 10, 11), 5: (12, 13, 14)}
+LAYER1 = {7: (15, 16, 17), 6: (18, 19, 20), 5: (21, 22, 23), 4: (24, 25, 26), 3: (27, 28, 29)}
+
+
+def test_initial_placement_page_ids_and_owners() -> None:
+    rig = make_rig()
+    r = rig.residency
+    assert r.resident_pages(0) == LAYER0 and r.resident_pages(1) == LAYER1
+    assert r.resident(0) == [3, 1, 4, 0, 5] and r.offloaded(0) == [2, 7, 6]
+    assert r.resident(1) == [7, 6, 5, 4, 3] and r.offloaded(1) == [2, 1, 0]
+    assert (r.num_resident(), r.num_resident(0), r.num_offloaded(1)) == (10, 5, 3)
+    assert r.pages(0, 4) == (6, 7, 8) and r.pages(0, 2) is None
+    assert rig.pool.expert_page_owner(7) == ExpertKey(0, 4, "w3")
+    assert rig.pool.expert_page_owner(29) == ExpertKey(1, 3, "w2")
+    s = rig.pool.stats()
+    assert (s.expert_pages, s.other_expert_pages, s.free_expert_pages) == (30, 18, 16)
+    rig.pool.check_invariants()
+
+
+def test_load_buffer_page_ids_and_alternation() -> None:
+    rig = make_rig()
+    lb = rig.buffers
+    assert [lb.pages(0, s) for s in range(3)] == [(30, 31, 32), (33, 34, 35), (36, 37, 38)]
+    assert [lb.pages(1, s) for s in range(3)] == [(39, 40, 41), (42, 43, 44), (45, 46, 47)]
+    assert rig.pool.expert_page_owner(44) == ("load_buffer", 1, 1, 2)
+    assert [lb.buffer_of_layer(l) for l in (0, 1)] == [0, 1]
+    three = LoadBuffers(tiny_shape(layer_ids=(1, 3, 5)), make_pool(tiny_shape(), 64)[1], 2)
+    assert [three.buffer_of_layer(l) for l in (1, 3, 5)] == [0, 1, 0]
+    with pytest.raises(ValueError, match=r"load buffer \(1, 3\) out of range"):
+        lb.pages(1, 3)
+    lb.release()
+    assert rig.pool.stats().other_expert_pages == 0
+    assert LoadBuffers(rig.shape, rig.pool, 0).all_pages() == []
+
+
+def test_offload_limit_and_resident_count_errors_name_the_flags() -> None:
+    shape = tiny_shape()
+    _, pool = make_pool(shape, 64)
+    rank = ExpertRanking.default(shape)
+    with pytest.raises(ValueError, match="--rimuru-expert-offload-limit must be in"):
+        ExpertResidency(shape, pool, rank, 9)
+    r = ExpertResidency(shape, pool, rank, 3)
+    with pytest.raises(ValueError, match=r"--rimuru-resident-experts=4 would offload 4 experts per "
+                                         r"layer, more than --rimuru-expert-offload-limit=3"):
+        r.place_initial(4)
+    with pytest.raises(ValueError, match="--rimuru-resident-experts=9 is more than the 8"):
+        r.place_initial(9)
+    assert pool.stats().expert_pages == 0
+    r.place_initial(8)  # nothing offloaded is fine
+    assert r.offloaded(0) == [] and r.num_resident() == 16
+    with pytest.raises(RuntimeError, match="already ran"):
+        r.place_initial(8)
+    with pytest.raises(RankingError, match=r"missing MoE layer\(s\) \[1\]"):
+        ExpertResidency(shape, pool, ExpertRanking(8, {0: range(8)}, {0: [0.1] * 8}), 3)
+
+
+def test_pool_too_small_changes_nothing() -> None:
+    shape = tiny_shape()
+    _, pool = make_pool(shape, 29)
+    r = ExpertResidency(shape, pool, ExpertRanking.default(shape), 3)
+    with pytest.raises(NotEnoughPagesError, match="needs 30 expert pages .* the pool has 29 free"):
+        r.place_initial(5)
+    assert pool.stats().free_expert_pages == 29 and r.num_resident() == 0
+    _, small = make_pool(shape, 17)
+    with pytest.raises(NotEnoughPagesError, match="load buffers .* need 18 expert pages"):
+        LoadBuffers(shape, small, 3)
+    assert small.stats().free_expert_pages == 17
+
+
+def test_nominations_evict_admit() -> None:
+    rig = make_rig(limit=4, resident=5)  # one more eviction allowed per layer
+    r, pool = rig.residency, rig.pool
+    assert r.eviction_candidate(0) == 5 and r.restore_candidate(0) == 2
+    assert r.eviction_candidate(1) == 3 and r.restore_candidate(1) == 2
+    v = r.version(0)
+    assert r.evict(0, 5) == (12, 13, 14)
+    assert r.version(0) == v + 1
+    assert pool.expert_page_owner(12) == ExpertKey(0, 5, "w1")  # not freed by evict
+    assert r.offloaded(0) == [5, 2, 7, 6] and r.pages(0, 5) is None
+    assert r.eviction_candidate(0) is None  # at the limit (4 offloaded)
+    with pytest.raises(ValueError, match="already has 4 experts offloaded"):
+        r.evict(0, 0)
+    with pytest.raises(ValueError, match="not resident"):
+        r.evict(1, 2)
+    assert r.restore_candidate(0) == 5
+    pool.free_expert_pages([12, 13, 14])
+    # admit on pages the caller took with the right owners
+    pages = pool.alloc_expert_pages(3, expert_owners(0, 2))
+    assert pages == [12, 13, 14]
+    with pytest.raises(ValueError, match="page 12 is owned by ExpertKey"):
+        r.admit(0, 6, pages)
+    r.admit(0, 2, pages)
+    assert r.pages(0, 2) == (12, 13, 14)
+    assert r.resident(0) == [3, 1, 4, 0, 2] and r.offloaded(0) == [5, 7, 6]
+    assert r.eviction_candidate(0) == 2 and r.restore_candidate(0) == 5
+    with pytest.raises(ValueError, match="already resident"):
+        r.admit(0, 2, pages)
+    with pytest.raises(ValueError, match="owned by None"):
+        r.admit(0, 5, (60, 61, 62))
+    pool.check_invariants()
+
+
+def test_host_store_put_and_views() -> None:
+    shape = tiny_shape()
+    store = HostExpertStore(shape, pin_memory=True)  # no CUDA here: plain memory
+    assert store.pinned is False or torch.cuda.is_available()
+    assert store.nbytes == 2 * 8 * 3 * 32 * 2
+    w1 = torch.arange(32, dtype=torch.bfloat16).view(4, 8)
+    w3 = w1 + 100
+    w2 = torch.arange(32, dtype=torch.bfloat16).view(8, 4) - 50
+    store.put(1, 6, w1, w3, w2)
+    assert torch.equal(store.matrix(1, 6, 0), w1.reshape(-1))
+    assert torch.equal(store.matrix(1, 6, 1), w3.reshape(-1))
+    assert torch.equal(store.matrix(1, 6, 2), w2.reshape(-1))
+    assert store.layer_tensor(1)[6, 2].data_ptr() == store.matrix(1, 6, 2).data_ptr()  # a view
+    with pytest.raises(ValueError, match=r"w2 has shape \(4, 8\), expected \(8, 4\)"):
+        store.put(1, 6, w1, w3, w1)
+    with pytest.raises(ValueError, match="dtype torch.float32, expected torch.bfloat16"):
+        store.put(1, 6, w1.float(), w3, w2)
+    with pytest.raises(ValueError, match=r"expert 8 out of range"):
+        store.matrix(0, 8, 0)
+    with pytest.raises(ValueError, match="matrix index"):
+        store.matrix(0, 1, 3)
+    with pytest.raises(ValueError, match="layer 2 is not a MoE layer"):
+        store.matrix(2, 1, 0)
+    w13 = torch.randn(8, 8, 8).to(torch.bfloat16)
+    w2s = torch.randn(8, 8, 4).to(torch.bfloat16)
+    store.put_fused(0, w13, w2s)
+    assert torch.equal(store.matrix(0, 5, 0).view(4, 8), w13[5, :4])
+    assert torch.equal(store.matrix(0, 5, 1).view(4, 8), w13[5, 4:])
+    assert torch.equal(store.matrix(0, 5, 2).view(8, 4), w2s[5])
+    with pytest.raises(ValueError, match=r"w13 has shape"):
+        store.put_fused(0, w13[:, :4], w2s)

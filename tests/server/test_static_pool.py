@@ -1,0 +1,88 @@
+"""``--rimuru-mode static``: experts and KV cache in one pool, greedy outputs equal mode ``off``.
+
+Half of each layer's experts are offloaded to host memory (4 of 8 resident,
+offload limit 4), so every forward pass loads experts through the load
+buffers. The same requests go to a plain (mode off) server first; the static
+server must return the same token ids: single requests, batches of 4 and 16,
+and requests that hit the radix cache.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from sglang_rimuru.models import ensure_model
+from tests.conftest import generate, start_server
+
+pytestmark = pytest.mark.server
+
+STATIC = ["--rimuru-mode", "static", "--rimuru-resident-experts", "4", "--rimuru-expert-offload-limit", "4"]
+SYSTEM = "You are a helpful assistant that answers briefly about paged experts. "
+
+PROMPTS_16 = [f"prompt {i}: " + "tokens " * (i % 5 + 1) + chr(65 + i) for i in range(16)]
+
+
+def workload(srv) -> dict:
+    """Every request kind whose output ids must not depend on the mode."""
+    out = {
+        "single": generate(srv, "The unified page pool", max_new_tokens=16)["output_ids"],
+        "batch4": [o["output_ids"] for o in generate(srv, PROMPTS_16[:4], max_new_tokens=12)],
+        "batch16": [o["output_ids"] for o in generate(srv, PROMPTS_16, max_new_tokens=8)],
+    }
+    first = generate(srv, SYSTEM + "First question?", max_new_tokens=10)
+    second = generate(srv, SYSTEM + "Second question?", max_new_tokens=10)
+    out["radix"] = [first["output_ids"], second["output_ids"]]
+    out["radix_cached"] = second["meta_info"]["cached_tokens"]
+    return out
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-qwen2-moe"])
+def test_static_mode_matches_mode_off(tmp_path, model_dir, model):
+    path = str(ensure_model(model, cache_dir=model_dir))
+    base = ["--model-path", path, "--max-total-tokens", "8192"]
+
+    off = start_server(base, tmp_path / "off.log")
+    try:
+        expected = workload(off)
+    finally:
+        off.stop()
+
+    static = start_server(base + STATIC, tmp_path / "static.log")
+    try:
+        got = workload(static)
+        log = static.log()
+    finally:
+        static.stop()
+
+    assert got == expected
+    assert got["radix_cached"] >= len(SYSTEM.encode()) - 1  # the shared prefix came from the pool's KV pages
+    summary = re.search(r"sglang-rimuru static pool: .* (\d+) resident experts \(4 of 8 per layer x 2 layers\), "
+                        r"load buffers 2 x 4, KV capacity (\d+) tokens", log)
+    assert summary, log[-3000:]
+    assert int(summary.group(1)) == 8
+    capacity = int(summary.group(2))
+    assert capacity >= 8192
+    # SGLang's scheduler sized itself to the pool's KV capacity (clamped by --max-total-tokens)
+    assert f"max_total_num_tokens={min(capacity, 8192)}" in log
+
+
+def test_radix_eviction_returns_pages_to_a_small_pool(tmp_path, model_dir):
+    """More distinct prompts than the pool's KV pages: the radix cache must evict into the pool."""
+    path = str(ensure_model("tiny-qwen3-moe", cache_dir=model_dir))
+    # 0.006 GiB: ~6k tokens of KV beside 8 resident experts and the load buffers
+    srv = start_server(["--model-path", path, *STATIC, "--rimuru-pool-gb", "0.006", "--context-length", "1024"],
+                       tmp_path / "static.log")
+    try:
+        capacity = int(re.search(r"KV capacity (\d+) tokens", srv.log()).group(1))
+        prompts = [f"{i:03d} " + "distinct filler text " * 30 for i in range(3 * capacity // 600 + 2)]
+        first = generate(srv, prompts[0], max_new_tokens=6)
+        for p in prompts[1:]:
+            generate(srv, p, max_new_tokens=6)
+        again = generate(srv, prompts[0], max_new_tokens=6)
+        assert again["output_ids"] == first["output_ids"]
+        # prompt 0's prefix was evicted to make room (total prompt tokens > 3x capacity)
+        assert again["meta_info"]["cached_tokens"] < len(prompts[0].encode()) - 1
+    finally:
+        srv.stop()

@@ -1,0 +1,16 @@
+"""SGLang's RadixCache (unchanged) over the pooled KV allocator: exact page ids.
+
+The checks live in ``sglang_cpu/radix_over_pool.py`` and run in a child
+process, because importing SGLang needs the CPU stand-in installed first.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_radix_cache_over_the_unified_pool():
+    script = Path(__file__).parent / "sglang_cpu" / "radix_over_pool.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip().splitlines()[-1] == "OK"
