@@ -1,0 +1,311 @@
+"""``Adjuster``: the scheduler-side round logic of the elastic split (DESIGN §2, §5).
+
+No I/O.  After each scheduling round the integrator calls
+``plan_round(round_no, kv_pages_needed)``; a returned ``MigrationOrder`` goes
+to the TP worker(s) (``orders.encode``); when the worker confirms it has
+applied the order, the integrator calls ``complete(order)`` (or ``abort(order)``
+when the worker refused it and applied nothing).
+
+Life of an order (state map)::
+
+    plan_round   restore pages RESERVED in the pool now, owned by
+                 ExpertKey(layer, expert, w1/w3/w2): no KV page can take them.
+                 Victims stay resident and keep their pages (the running
+                 forward pass may read them): they are NOT free yet.
+                 Every expert of the order is frozen (in flight).
+    complete     victims: residency.evict + page_pool.free_expert_pages
+                 (the pages are allocatable from now on); restores:
+                 residency.admit on the reserved pages.  Unfrozen.
+    abort        reserved restore pages freed; victims untouched.  Unfrozen.
+
+In-flight consistency rule (several orders may be in flight, e.g. under
+SGLang's overlap scheduler): with ``P`` = pages of in-flight victims,
+
+  * an expert of an in-flight order is never picked again, and an in-flight
+    victim already counts against its layer's offload limit (in-flight
+    restores do not give budget back until complete);
+  * the policy sees the pool as it will be once the in-flight orders are
+    complete and the waiting KV demand is served:
+        short = max(0, R_b - P)
+        free  = F_b + P            if R_b == 0
+                max(0, P - R_b)    if R_b > 0
+    so one shortfall is not answered twice while its victims are in flight;
+  * a restore needs pages free NOW (they are reserved at once): at most
+    ``F_b // 3`` restores, and none while R_b > 0 (the KV cache is short now).
+
+When do waiting requests get the pages?  Pages of an order's victims become
+allocatable in the first scheduling round that starts after ``complete`` for
+that order; until then ``alloc_kv_pages`` cannot have them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, NamedTuple
+
+from sglang_rimuru.experts.residency import expert_owners
+from sglang_rimuru.pool import EXPERT_MATRICES, UnifiedPagePool
+
+from .orders import ORDER_VERSION, ExpertMove, MigrationOrder
+from .policy import REASONS, AdjusterPolicy, Decision
+from .selection import pick_restores, pick_victims
+
+if TYPE_CHECKING:
+    from sglang_rimuru.experts import ExpertRanking, ExpertResidency
+
+__all__ = ["Adjuster", "AdjusterStats", "RoundRecord"]
+
+
+class RoundRecord(NamedTuple):
+    """What one ``plan_round`` saw and did."""
+
+    round: int
+    short_pages: int  # R_b from the pool
+    free_pages: int  # F_b from the pool
+    in_flight_pages: int  # P: pages of in-flight victims
+    decision: Decision  # the policy's answer on the projected (short, free)
+    evicted: int  # experts ordered out
+    restored: int  # experts ordered in
+    seq: int | None  # the order's seq, None when nothing changed
+
+
+class AdjusterStats(NamedTuple):
+    """Cumulative counters (``unmet_*``: wanted by the policy, no candidate or no pages)."""
+
+    rounds: int
+    orders: int
+    evictions: int
+    restores: int
+    unmet_evictions: int
+    unmet_restores: int
+    completed_orders: int
+    aborted_orders: int
+    in_flight_orders: int
+    in_flight_victim_pages: int
+    reserved_restore_pages: int
+    decisions: dict[str, int]  # rounds per Decision.reason
+    last: RoundRecord | None
+
+
+class Adjuster:
+    """Plans one migration order per scheduling round and keeps its bookkeeping.
+
+    Contract:
+      * ``page_pool`` is the residency's pool; ``ranking`` fits the residency's shape;
+      * ``round_no`` strictly increases from call to call;
+      * ``complete`` is called for in-flight orders in ``seq`` order, after the
+        worker has finished the forward pass that could read the victims and has
+        copied the restored experts into their reserved pages;
+      * everything is deterministic, so schedulers of all TP ranks fed the same
+        inputs plan identical orders.
+    """
+
+    def __init__(self, policy: AdjusterPolicy, page_pool: UnifiedPagePool,
+                 residency: ExpertResidency, ranking: ExpertRanking) -> None:
+        if policy.pages_per_expert != len(EXPERT_MATRICES):
+            raise ValueError(f"AdjusterPolicy.pages_per_expert={policy.pages_per_expert}, but one "
+                             f"expert is {len(EXPERT_MATRICES)} pool pages {EXPERT_MATRICES}")
+        if residency.page_pool is not page_pool:
+            raise ValueError("the residency tracks another page pool than the adjuster's")
+        ranking.check_fits(residency.shape)
+        self.policy = policy
+        self.page_pool = page_pool
+        self.residency = residency
+        self.ranking = ranking
+        self._seq = 0
+        self._last_round: int | None = None
+        self._in_flight: dict[int, MigrationOrder] = {}  # seq -> order, insertion = seq order
+        self._frozen: dict[tuple[int, int], int] = {}  # (layer, expert) -> seq
+        self._victim_pages = 0  # P
+        self._reserved_pages = 0
+        self._n = Counter()
+        self._decisions: Counter[str] = Counter({r: 0 for r in REASONS})
+        self._last: RoundRecord | None = None
+
+    # ================================================================ the round
+
+    def plan_round(self, round_no: int, kv_pages_needed: int) -> MigrationOrder | None:
+        """Decide this round's evictions / restores; reserve restore pages; ``None`` if no change.
+
+        ``kv_pages_needed``: KV pages the schedule wants beyond what it got
+        (its shortfall; 0 when everything fit), passed to
+        ``page_pool.missing_expert_pages``.
+        """
+        for name, v in (("round_no", round_no), ("kv_pages_needed", kv_pages_needed)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if self._last_round is not None and round_no <= self._last_round:
+            raise ValueError(f"round_no must increase: got {round_no} after {self._last_round}")
+        self._last_round = round_no
+        pool, ppe = self.page_pool, self.policy.pages_per_expert
+        r_b = pool.missing_expert_pages(kv_pages_needed)
+        f_b = pool.free_expert_page_count()
+        p = self._victim_pages
+        short = max(0, r_b - p)
+        free = f_b + p if r_b == 0 else max(0, p - r_b)
+        decision = self.policy.decide(short, free)
+
+        frozen = self._frozen.keys()
+        victims = (pick_victims(self.residency, self.ranking, decision.evict, frozen)
+                   if decision.evict else [])
+        n_restore = min(decision.restore, f_b // ppe) if r_b == 0 else 0
+        restores = (pick_restores(self.residency, self.ranking, n_restore, frozen)
+                    if n_restore else [])
+
+        self._n["rounds"] += 1
+        self._decisions[decision.reason] += 1
+        self._n["unmet_evictions"] += decision.evict - len(victims)
+        self._n["unmet_restores"] += decision.restore - len(restores)
+        if not victims and not restores:
+            self._last = RoundRecord(round_no, r_b, f_b, p, decision, 0, 0, None)
+            return None
+
+        evict = tuple(ExpertMove(l, e, self.residency.pages(l, e)) for l, e in victims)
+        restore = []
+        for l, e in restores:  # reserve now: from here on the KV allocator cannot take them
+            pages = pool.alloc_expert_pages(ppe, expert_owners(l, e))
+            if pages is None:  # cannot happen: n_restore <= F_b // 3
+                raise RuntimeError(f"pool refused {ppe} pages for restore of layer {l} expert {e}")
+            restore.append(ExpertMove(l, e, tuple(pages)))
+        self._seq += 1
+        order = MigrationOrder(
+            version=ORDER_VERSION, seq=self._seq, round=round_no, evict=evict,
+            restore=tuple(restore),
+            reason=f"{decision.reason}: R_b={r_b} F_b={f_b} in_flight_pages={p}")
+        self._in_flight[order.seq] = order
+        for key in order.experts:
+            self._frozen[key] = order.seq
+        self._victim_pages += ppe * len(evict)
+        self._reserved_pages += ppe * len(restore)
+        self._n["orders"] += 1
+        self._n["evictions"] += len(evict)
+        self._n["restores"] += len(restore)
+        self._last = RoundRecord(round_no, r_b, f_b, p, decision, len(evict), len(restore), order.seq)
+        return order
+
+    # ================================================================ confirmations
+
+    def complete(self, order: MigrationOrder | int) -> None:
+        """The worker applied ``order`` (or the order with this ``seq``): book it.
+
+        Victims: ``residency.evict`` and their pages freed to the pool (usable
+        by the KV cache from now on); restores: ``residency.admit`` on their
+        reserved pages.  Must be the oldest in-flight order.  Everything is
+        checked before anything changes (``ValueError``).
+        """
+        order = self._lookup(order)
+        oldest = next(iter(self._in_flight))
+        if order.seq != oldest:
+            raise ValueError(f"complete(seq={order.seq}): orders complete in seq order; "
+                             f"seq={oldest} is still in flight")
+        res, owners = self.residency, self.page_pool.expert_page_owners()
+        leaving = Counter(m.layer for m in order.evict)
+        for layer, n in leaving.items():
+            if res.num_offloaded(layer) + n > res.offload_limit:
+                raise ValueError(f"complete(seq={order.seq}): layer {layer} would have "
+                                 f"{res.num_offloaded(layer) + n} experts offloaded, over the "
+                                 f"limit {res.offload_limit}")
+        for m in order.evict:
+            if res.pages(m.layer, m.expert) != m.pages:
+                raise ValueError(f"complete(seq={order.seq}): victim layer {m.layer} expert "
+                                 f"{m.expert} is on {res.pages(m.layer, m.expert)}, the order "
+                                 f"says {m.pages}")
+        for m in order.restore:
+            want = expert_owners(m.layer, m.expert)
+            if res.is_resident(m.layer, m.expert) or [owners.get(q) for q in m.pages] != want:
+                raise ValueError(f"complete(seq={order.seq}): restore of layer {m.layer} expert "
+                                 f"{m.expert} onto {m.pages} no longer matches the pool/residency")
+        for m in order.evict:
+            self.page_pool.free_expert_pages(res.evict(m.layer, m.expert))
+        for m in order.restore:
+            res.admit(m.layer, m.expert, m.pages)
+        self._forget(order)
+        self._n["completed_orders"] += 1
+
+    def abort(self, order: MigrationOrder | int) -> None:
+        """The worker refused ``order`` and applied none of it: free the reserved
+        restore pages and unfreeze its experts; victims simply stay resident."""
+        order = self._lookup(order)
+        for m in order.restore:
+            self.page_pool.free_expert_pages(m.pages)
+        self._forget(order)
+        self._n["aborted_orders"] += 1
+
+    # ================================================================ queries
+
+    @property
+    def in_flight(self) -> tuple[MigrationOrder, ...]:
+        """Orders planned and not yet complete or aborted, oldest first."""
+        return tuple(self._in_flight.values())
+
+    @property
+    def last_seq(self) -> int:
+        """``seq`` of the last order planned; 0 before the first."""
+        return self._seq
+
+    def in_flight_experts(self) -> frozenset[tuple[int, int]]:
+        return frozenset(self._frozen)
+
+    def stats(self) -> AdjusterStats:
+        n = self._n
+        return AdjusterStats(
+            rounds=n["rounds"], orders=n["orders"], evictions=n["evictions"],
+            restores=n["restores"], unmet_evictions=n["unmet_evictions"],
+            unmet_restores=n["unmet_restores"], completed_orders=n["completed_orders"],
+            aborted_orders=n["aborted_orders"], in_flight_orders=len(self._in_flight),
+            in_flight_victim_pages=self._victim_pages,
+            reserved_restore_pages=self._reserved_pages, decisions=dict(self._decisions),
+            last=self._last)
+
+    def check_invariants(self) -> None:
+        """Recompute the in-flight bookkeeping and check it against the residency and
+        the pool (``AssertionError``); also runs ``page_pool.check_invariants()``.
+        O(resident experts + pool): for tests."""
+        res, pool = self.residency, self.page_pool
+        owners = pool.expert_page_owners()
+        frozen: dict[tuple[int, int], int] = {}
+        leaving: Counter[int] = Counter()
+        for seq, order in self._in_flight.items():
+            assert seq == order.seq
+            for key in order.experts:
+                assert key not in frozen, f"{key} in orders {frozen[key]} and {seq}"
+                frozen[key] = seq
+            for m in order.evict:
+                assert res.pages(m.layer, m.expert) == m.pages, f"victim {m} moved"
+                leaving[m.layer] += 1
+            for m in order.restore:
+                assert not res.is_resident(m.layer, m.expert), f"restore {m} already resident"
+                assert [owners.get(q) for q in m.pages] == expert_owners(m.layer, m.expert), m
+        assert frozen == self._frozen, (frozen, self._frozen)
+        ppe = self.policy.pages_per_expert
+        assert self._victim_pages == ppe * sum(leaving.values())
+        assert self._reserved_pages == ppe * sum(len(o.restore) for o in self._in_flight.values())
+        for layer in res.shape.layer_ids:
+            assert res.num_offloaded(layer) + leaving[layer] <= res.offload_limit, layer
+            for e, pages in res.resident_pages(layer).items():
+                assert [owners.get(q) for q in pages] == expert_owners(layer, e), (layer, e)
+        pool.check_invariants()
+
+    # ================================================================ internals
+
+    def _lookup(self, order: MigrationOrder | int) -> MigrationOrder:
+        seq = order.seq if isinstance(order, MigrationOrder) else order
+        stored = self._in_flight.get(seq) if isinstance(seq, int) else None
+        if stored is None:
+            raise ValueError(f"no migration order seq={seq!r} in flight "
+                             f"(in flight: {list(self._in_flight)})")
+        if isinstance(order, MigrationOrder) and order != stored:
+            raise ValueError(f"order seq={seq} differs from the one planned: {order} vs {stored}")
+        return stored
+
+    def _forget(self, order: MigrationOrder) -> None:
+        del self._in_flight[order.seq]
+        for key in order.experts:
+            del self._frozen[key]
+        ppe = self.policy.pages_per_expert
+        self._victim_pages -= ppe * len(order.evict)
+        self._reserved_pages -= ppe * len(order.restore)
+
+    def __repr__(self) -> str:
+        return (f"Adjuster(last_seq={self._seq}, in_flight={list(self._in_flight)}, "
+                f"victim_pages={self._victim_pages}, reserved_pages={self._reserved_pages})")

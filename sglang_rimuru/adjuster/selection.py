@@ -1,0 +1,90 @@
+"""Which experts to evict or restore, across MoE layers (DESIGN §5, "Which expert").
+
+Each layer nominates one expert at a time; the adjuster takes the best
+nomination over all layers, and that layer then nominates its next one:
+
+    evict    nomination: the layer's lowest-ranked resident expert
+             (``ExpertResidency.eviction_candidate``); none once the layer
+             would exceed its offload limit.  Take the LEAST probable.
+    restore  nomination: the layer's highest-ranked offloaded expert
+             (``ExpertResidency.restore_candidate``).  Take the MOST probable.
+    ties     (equal probability across layers): the lowest layer id.
+
+Nothing is mutated: the picks are a simulation of ``n`` rounds of nominations
+on the residency as it is.  ``in_flight`` names experts of orders not yet
+complete (see ``adjuster.py``): they are never nominated, and an in-flight
+eviction (an expert still resident in ``residency``) already uses one unit of
+its layer's offload budget.  In-flight restores do not give budget back until
+they are complete.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Collection, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # plain duck typing at run time; no torch import from here
+    from sglang_rimuru.experts import ExpertRanking, ExpertResidency
+
+__all__ = ["pick_restores", "pick_victims"]
+
+Move = tuple[int, int]  # (layer, expert)
+
+
+def pick_victims(residency: ExpertResidency, ranking: ExpertRanking, n: int,
+                 in_flight: Collection[Move] = ()) -> list[Move]:
+    """Up to ``n`` experts to evict, least probable first; fewer when no layer can give one."""
+    frozen = set(in_flight)
+    busy = Counter(l for l, e in frozen if residency.is_resident(l, e))
+
+    def nominations(layer: int) -> Iterator[int]:
+        budget = residency.offload_limit - residency.num_offloaded(layer) - busy[layer]
+        for e in reversed(ranking.order(layer)):
+            if budget <= 0:
+                return
+            if residency.is_resident(layer, e) and (layer, e) not in frozen:
+                budget -= 1
+                yield e
+
+    return _merge(residency, ranking, n, nominations, sign=1.0)
+
+
+def pick_restores(residency: ExpertResidency, ranking: ExpertRanking, n: int,
+                  in_flight: Collection[Move] = ()) -> list[Move]:
+    """Up to ``n`` offloaded experts to restore, most probable first; fewer when all are resident."""
+    frozen = set(in_flight)
+
+    def nominations(layer: int) -> Iterator[int]:
+        for e in ranking.order(layer):
+            if not residency.is_resident(layer, e) and (layer, e) not in frozen:
+                yield e
+
+    return _merge(residency, ranking, n, nominations, sign=-1.0)
+
+
+def _merge(residency: ExpertResidency, ranking: ExpertRanking, n: int, nominations,
+           sign: float) -> list[Move]:
+    """k-way merge of the layers' nomination streams on ``(sign * probability, layer)``."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    out: list[Move] = []
+    if n == 0:
+        return out
+    heap: list[tuple[float, int, int, Iterator[int]]] = []
+
+    def push(layer: int, it: Iterator[int]) -> None:
+        e = next(it, None)
+        if e is not None:
+            # one entry per layer at a time: ties end at the layer id, never at ``it``
+            heapq.heappush(heap, (sign * ranking.probability(layer, e), layer, e, it))
+
+    for layer in residency.shape.layer_ids:
+        push(layer, nominations(layer))
+    while heap and len(out) < n:
+        _, layer, e, it = heapq.heappop(heap)
+        out.append((layer, e))
+        push(layer, it)
+    return out
+

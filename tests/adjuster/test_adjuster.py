@@ -1,0 +1,302 @@
+"""Adjuster end to end on the rig's real pool and residency (see rig.py for the page map)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sglang_rimuru.adjuster import (
+    Adjuster,
+    AdjusterPolicy,
+    Decision,
+    ExpertMove,
+    MigrationOrder,
+    OrderSequencer,
+    decode,
+    encode,
+)
+from sglang_rimuru.experts import expert_owners
+from sglang_rimuru.pool import PoolGeometry, UnifiedPagePool
+
+from .rig import make_rig
+
+
+def adjuster_for(rig, policy: AdjusterPolicy | None = None) -> Adjuster:
+    return Adjuster(policy or AdjusterPolicy(), rig.pool, rig.residency, rig.ranking)
+
+
+def owned_by(pool, pages, layer, expert) -> bool:
+    owners = pool.expert_page_owners()
+    return [owners.get(p) for p in pages] == expert_owners(layer, expert)
+
+
+# ---------------------------------------------------------------- KV shortfall -> eviction
+
+
+def test_shortfall_evicts_and_pages_free_only_after_complete() -> None:
+    rig = make_rig(pages=60)  # 54 pages of experts, F_b = 6 = 12 KV pages
+    adj = adjuster_for(rig)
+    assert rig.pool.free_expert_page_count() == 6
+    assert rig.pool.missing_expert_pages(26) == 7  # (26 - 12) / 2
+
+    order = adj.plan_round(1, 26)  # R_b 7 -> evict ceil(8/3) = 3
+    assert order == MigrationOrder(
+        version=1, seq=1, round=1,
+        evict=(ExpertMove(0, 2, (15, 16, 17)), ExpertMove(1, 2, (33, 34, 35)),
+               ExpertMove(1, 3, (30, 31, 32))),
+        restore=(), reason="kv_short: R_b=7 F_b=6 in_flight_pages=0")
+    # victims keep their pages until the worker confirms: not free, not allocatable
+    assert rig.pool.free_expert_page_count() == 6
+    assert rig.residency.is_resident(0, 2) and owned_by(rig.pool, (15, 16, 17), 0, 2)
+    assert rig.pool.alloc_kv_pages(26, "waiting") is None
+    assert adj.in_flight_experts() == {(0, 2), (1, 2), (1, 3)}
+    adj.check_invariants()
+
+    # next round, still in flight and still short: the shortfall is not answered twice
+    assert adj.plan_round(2, 26) is None
+    last = adj.stats().last
+    assert (last.short_pages, last.free_pages, last.in_flight_pages) == (7, 6, 9)
+    assert last.decision == Decision(0, 0, "hold")  # projected: short 0, free 9 - 7 = 2
+
+    adj.complete(order)  # the worker finished the forward pass and freed them
+    assert not rig.residency.is_resident(0, 2) and rig.residency.num_offloaded(1) == 4
+    assert rig.pool.free_expert_page_count() == 15
+    assert rig.pool.missing_expert_pages(26) == 0
+    adj.check_invariants()
+    # the first round after complete: the waiting request gets its pages
+    kv = rig.pool.alloc_kv_pages(26, "waiting")
+    assert kv is not None and {rig.pool.geometry.expert_page_of_kv_page(k) for k in kv} == {
+        15, 16, 17, 30, 31, 32, 33, 34, 35, 54, 55, 56, 57}
+    assert rig.pool.free_expert_page_count() == 2
+    assert adj.plan_round(3, 0) is None  # F_b 2: inside the band
+    s = adj.stats()
+    assert (s.rounds, s.orders, s.evictions, s.restores, s.completed_orders) == (3, 1, 3, 0, 1)
+    assert (s.in_flight_orders, s.in_flight_victim_pages, s.reserved_restore_pages) == (0, 0, 0)
+    assert s.decisions == {"kv_short": 1, "low_water": 0, "high_water": 0, "hold": 2}
+
+
+def test_in_flight_projection_matches_instant_completion() -> None:
+    """Short 8: evict 3 (9 pages). One round later, still in flight, the projection
+    sees 9 - 8 = 1 free page, below the low water: one pre-emptive eviction, as
+    if the first order had completed at once and the KV had taken its 8 pages."""
+    rig = make_rig(pages=60)
+    adj = adjuster_for(rig)
+    first = adj.plan_round(10, 28)  # R_b 8
+    assert [m.key for m in first.evict] == [(0, 2), (1, 2), (1, 3)]
+    second = adj.plan_round(11, 28)
+    assert second.seq == 2 and second.reason == "low_water: R_b=8 F_b=6 in_flight_pages=9"
+    assert [m.key for m in second.evict] == [(0, 5)]  # not an expert of the first order
+    assert len(adj.in_flight) == 2
+
+    instant = make_rig(pages=60)
+    other = adjuster_for(instant)
+    adj_order = other.plan_round(10, 28)
+    other.complete(adj_order)
+    assert instant.pool.alloc_kv_pages(28, "waiting") is not None  # 14 of the 15 free pages
+    assert instant.pool.free_expert_page_count() == 1
+    assert [m.key for m in other.plan_round(11, 0).evict] == [(0, 5)]
+
+
+def test_in_flight_experts_are_not_picked_again_and_use_the_offload_budget() -> None:
+    rig = make_rig(pages=60)
+    adj = adjuster_for(rig)
+    adj.plan_round(1, 26)  # (0, 2), (1, 2), (1, 3): layer 1 at its limit once complete
+    order = adj.plan_round(2, 40)  # R_b 14, P 9 -> short 5 -> evict 2
+    assert [m.key for m in order.evict] == [(0, 5), (2, 5)]
+    with pytest.raises(ValueError, match="seq order; seq=1 is still in flight"):
+        adj.complete(order)
+    adj.complete(1)
+    adj.complete(order)
+    assert [rig.residency.num_offloaded(l) for l in (0, 1, 2)] == [4, 4, 3]
+    adj.check_invariants()
+
+
+def test_nobody_can_give() -> None:
+    rig = make_rig(pages=60, limit=2)  # every layer already at its limit
+    adj = adjuster_for(rig)
+    assert adj.plan_round(1, 100) is None
+    s = adj.stats()
+    assert s.unmet_evictions == s.last.decision.evict > 0 and s.orders == 0
+
+
+# ---------------------------------------------------------------- quiet pool -> restores
+
+
+def test_quiet_pool_restores_into_reserved_pages() -> None:
+    rig = make_rig(pages=80)  # F_b = 26
+    adj = adjuster_for(rig)
+    order = adj.plan_round(5, 0)  # restore min(5, (26 - 9) // 3) = 5
+    assert order.reason == "high_water: R_b=0 F_b=26 in_flight_pages=0"
+    assert order.evict == ()
+    assert order.restore == (
+        ExpertMove(2, 6, (54, 55, 56)), ExpertMove(2, 7, (57, 58, 59)),
+        ExpertMove(0, 7, (60, 61, 62)), ExpertMove(0, 6, (63, 64, 65)),
+        ExpertMove(1, 1, (66, 67, 68)))
+    # reserved now: owned by the experts' keys, F_b stays at the high water or above
+    for m in order.restore:
+        assert owned_by(rig.pool, m.pages, m.layer, m.expert)
+        assert not rig.residency.is_resident(m.layer, m.expert)
+    assert rig.pool.free_expert_page_count() == 11
+    assert adj.stats().reserved_restore_pages == 15
+    # the KV allocator cannot take them: it gets everything else and then nothing
+    cap = rig.pool.kv_capacity_now()
+    assert cap == 22
+    kv = rig.pool.alloc_kv_pages(cap, "burst")
+    assert {rig.pool.geometry.expert_page_of_kv_page(k) for k in kv} == set(range(69, 80))
+    assert rig.pool.alloc_kv_pages(1, "more") is None
+    for m in order.restore:
+        assert owned_by(rig.pool, m.pages, m.layer, m.expert)
+    adj.check_invariants()
+
+    adj.complete(order)  # copied by the worker: resident on exactly those pages
+    assert rig.residency.pages(2, 6) == (54, 55, 56)
+    assert rig.residency.offloaded(2) == [] and rig.residency.offloaded(1) == [0]
+    assert adj.stats().reserved_restore_pages == 0
+    adj.check_invariants()
+    # the burst took all free pages: the next round gives one expert back (low water)
+    nxt = adj.plan_round(6, 0)
+    assert nxt.reason == "low_water: R_b=0 F_b=0 in_flight_pages=0"
+    assert [m.key for m in nxt.evict] == [(0, 6)]
+
+
+def test_no_restores_while_short() -> None:
+    rig = make_rig(pages=80)
+    adj = adjuster_for(rig, AdjusterPolicy())
+    first = adj.plan_round(1, 90)  # 52 KV pages free -> R_b 19 -> evict 7 ... (limited to 6)
+    assert len(first.evict) == 6 and adj.stats().unmet_evictions == 1
+    # demand drops a little: R_b 1, P 18 -> projected free 17 > 9, yet the pool is short now
+    second = adj.plan_round(2, 54)
+    assert second is None and adj.stats().last.decision.restore == 2
+
+
+def test_abort_releases_reserved_pages() -> None:
+    rig = make_rig(pages=80)
+    adj = adjuster_for(rig)
+    order = adj.plan_round(1, 0)
+    adj.abort(order.seq)
+    assert rig.pool.free_expert_page_count() == 26 and adj.in_flight == ()
+    assert rig.residency.num_resident() == 18
+    adj.check_invariants()
+    again = adj.plan_round(2, 0)
+    assert again.seq == 2 and again.restore == order.restore  # same experts, same pages
+    with pytest.raises(ValueError, match="no migration order seq=1 in flight"):
+        adj.complete(order)
+    s = adj.stats()
+    assert (s.orders, s.aborted_orders, s.restores) == (2, 1, 10)
+
+
+# ---------------------------------------------------------------- contract checks
+
+
+def test_complete_checks_before_changing_anything() -> None:
+    rig = make_rig(pages=80)
+    adj = adjuster_for(rig)
+    order = adj.plan_round(1, 0)
+    forged = MigrationOrder(1, order.seq, order.round, order.evict, order.restore[:1], "x")
+    with pytest.raises(ValueError, match="differs from the one planned"):
+        adj.complete(forged)
+    with pytest.raises(ValueError, match="no migration order seq=9"):
+        adj.complete(9)
+    # someone else took one of the reserved pages: refused, nothing half-done
+    rig.pool.free_expert_pages([order.restore[-1].pages[0]])
+    with pytest.raises(ValueError, match="restore of layer 1 expert 1 onto"):
+        adj.complete(order)
+    assert all(not rig.residency.is_resident(m.layer, m.expert) for m in order.restore)
+    assert len(adj.in_flight) == 1
+
+
+def test_plan_round_arguments() -> None:
+    rig = make_rig()
+    adj = adjuster_for(rig)
+    adj.plan_round(3, 0)
+    with pytest.raises(ValueError, match="round_no must increase: got 3 after 3"):
+        adj.plan_round(3, 0)
+    for bad in ((-1, 0), (4, -1), (4, True), (4.0, 0)):
+        with pytest.raises(ValueError):
+            adj.plan_round(*bad)
+
+
+def test_constructor_checks() -> None:
+    rig = make_rig()
+    with pytest.raises(ValueError, match="pages_per_expert=2"):
+        Adjuster(AdjusterPolicy(pages_per_expert=2, restore_high_water=9), rig.pool,
+                 rig.residency, rig.ranking)
+    other = UnifiedPagePool(PoolGeometry(total_bytes=64 * 10, expert_page_bytes=64,
+                                         kv_page_bytes=32))
+    with pytest.raises(ValueError, match="another page pool"):
+        Adjuster(AdjusterPolicy(), other, rig.residency, rig.ranking)
+
+
+# ---------------------------------------------------------------- randomized
+
+
+def test_random_rounds_keep_every_invariant() -> None:
+    """Bursts and quiet spells of KV demand (a FIFO waiting queue, as SGLang's), a
+    worker that lags 0-3 orders behind and sometimes refuses one; every order crosses
+    encode/decode and the worker's sequencer; invariants after every step."""
+    rng = random.Random(1234)
+    rig = make_rig(pages=90, limit=5, resident=6)
+    pool, res = rig.pool, rig.residency
+    adj = adjuster_for(rig)
+    worker = OrderSequencer()
+    queue: list[MigrationOrder] = []  # received by the worker, not yet confirmed
+    running: list[list[int]] = []  # KV pages of running requests
+    waiting: list[int] = []  # KV pages wanted by waiting requests, FIFO
+    seen = {"evict": 0, "restore": 0, "abort": 0, "max_in_flight": 0, "short": 0}
+
+    for rnd in range(1, 1201):
+        burst = (rnd // 150) % 2 == 1
+        for i in reversed(range(len(running))):  # requests finish
+            if rng.random() < (0.05 if burst else 0.3):
+                pool.free_kv_pages(running.pop(i))
+        if sum(waiting) < 60:  # a bounded queue: the rest is turned away
+            waiting += [rng.randrange(1, 24) for _ in range(rng.choice([0, 1, 2] if burst else [0, 0, 1]))]
+        while waiting:  # admit in order while pages last
+            got = pool.alloc_kv_pages(waiting[0], f"r{rnd}")
+            if got is None:
+                break
+            running.append(got)
+            waiting.pop(0)
+        need = sum(waiting)
+        seen["short"] += pool.missing_expert_pages(need) > 0
+        free_before = pool.free_expert_page_count()
+        order = adj.plan_round(rnd, need)
+        adj.check_invariants()
+        if order is not None:
+            assert pool.free_expert_page_count() == free_before - 3 * len(order.restore)
+            for m in order.evict:
+                assert res.pages(m.layer, m.expert) == m.pages  # still resident and owned
+            back = decode(encode(order))
+            assert back == order
+            worker.accept(back)
+            queue.append(back)
+            seen["evict"] += len(order.evict)
+            seen["restore"] += len(order.restore)
+        seen["max_in_flight"] = max(seen["max_in_flight"], len(adj.in_flight))
+        # the worker confirms the oldest orders, lagging behind
+        while queue and (len(queue) > 3 or rng.random() < 0.5):
+            done = queue.pop(0)
+            if rng.random() < 0.05:
+                adj.abort(done)
+                seen["abort"] += 1
+            else:
+                adj.complete(done)
+            adj.check_invariants()
+        for layer in res.shape.layer_ids:
+            assert res.num_offloaded(layer) <= res.offload_limit
+
+    while queue:
+        adj.complete(queue.pop(0))
+    for kv in running:
+        pool.free_kv_pages(kv)
+    adj.check_invariants()
+    assert adj.in_flight == () and pool.stats().kv_pages_used == 0
+    s = adj.stats()
+    assert s.orders == worker.last_seq == adj.last_seq
+    assert s.completed_orders + s.aborted_orders == s.orders
+    assert s.evictions == seen["evict"] and s.restores == seen["restore"]
+    # the sequence exercised what it is meant to
+    assert seen["evict"] > 50 and seen["restore"] > 50 and seen["abort"] > 0
+    assert seen["max_in_flight"] >= 3 and seen["short"] > 50 and s.unmet_evictions > 0
+    assert all(v > 0 for v in s.decisions.values()), s.decisions
