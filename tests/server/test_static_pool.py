@@ -73,7 +73,7 @@ def test_radix_eviction_returns_pages_to_a_small_pool(tmp_path, model_dir):
     path = str(ensure_model("tiny-qwen3-moe", cache_dir=model_dir))
     # 0.006 GiB: ~6k tokens of KV beside 8 resident experts and the load buffers
     srv = start_server(["--model-path", path, *STATIC, "--rimuru-pool-gb", "0.006", "--context-length", "1024"],
-                       tmp_path / "static.log")
+                       tmp_path / "static.log", env={"SGLANG_RIMURU_STATS_EVERY": "50"})
     try:
         capacity = int(re.search(r"KV capacity (\d+) tokens", srv.log()).group(1))
         prompts = [f"{i:03d} " + "distinct filler text " * 30 for i in range(3 * capacity // 600 + 2)]
@@ -84,5 +84,11 @@ def test_radix_eviction_returns_pages_to_a_small_pool(tmp_path, model_dir):
         assert again["output_ids"] == first["output_ids"]
         # prompt 0's prefix was evicted to make room (total prompt tokens > 3x capacity)
         assert again["meta_info"]["cached_tokens"] < len(prompts[0].encode()) - 1
+        # experts really came through the load buffers (4 of 8 per layer are offloaded)
+        traffic = re.findall(r"experts after (\d+) forwards: (\d+) prefetched, (\d+) prefetch hits .*?, "
+                             r"(\d+) on-demand loads", srv.log())
+        assert traffic, srv.log()[-2000:]
+        forwards, prefetched, hits, misses = map(int, traffic[-1])
+        assert forwards >= 50 and hits + misses > 0 and prefetched >= hits
     finally:
         srv.stop()

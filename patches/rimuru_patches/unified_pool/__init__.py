@@ -15,6 +15,8 @@ Seams (all inert unless the mode is on; ledger in ``patches/README.md``):
 
 from __future__ import annotations
 
+import os
+
 from rimuru_patches.context import ProcessContext
 from rimuru_patches.seams import Seam, original, register
 
@@ -115,6 +117,7 @@ def _forward(orig, ctx):
             return orig(self, forward_batch, *args, **kwargs)
         finally:
             runtime.manager.end_forward()
+            runtime.log_stats_every(STATS_EVERY_FORWARDS)
 
     return forward
 
@@ -128,6 +131,9 @@ def _run_moe_core(orig, ctx):
 
     return run_moe_core
 
+
+#: forward passes between two expert-traffic log lines
+STATS_EVERY_FORWARDS = int(os.environ.get("SGLANG_RIMURU_STATS_EVERY", "500"))
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator:KVCacheConfigurator"
 _MODEL_RUNNER = "sglang.srt.model_executor.model_runner:ModelRunner"

@@ -199,6 +199,22 @@ class RimuruRuntime:
 
     # -- forward ----------------------------------------------------------
 
+    def log_stats_every(self, forwards: int) -> None:
+        """One line of expert traffic every ``forwards`` forward passes."""
+        stats = self.manager.stats()
+        if stats.forwards % forwards:
+            return
+        logger.info(
+            "sglang-rimuru experts after %d forwards: %d prefetched, %d prefetch hits (%.0f%%), "
+            "%d on-demand loads, %.1f MiB copied host->device",
+            stats.forwards,
+            stats.prefetched,
+            stats.prefetch_hits,
+            100 * stats.prefetch_hit_rate,
+            stats.on_demand_loads,
+            stats.bytes_copied / (1 << 20),
+        )
+
     def moe_forward(self, layer, dispatch_output):
         """The MoE of one managed layer, experts read from the pool and load buffers."""
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
