@@ -13,6 +13,11 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
     "$venv/bin/pip" install -q --upgrade pip >&2
 fi
-echo "[setup] installing sglang-rimuru and its pinned dependencies (first time: ~4 min, ~9 GB)" >&2
-"$venv/bin/pip" install -q -e "$root[test]" >&2
+echo "[setup] installing sglang-rimuru and its pinned dependencies into $venv (first time: ~4 min, ~9 GB)" >&2
+log="$venv/setup.log"
+if ! "$venv/bin/pip" install -q -e "$root[test]" >"$log" 2>&1; then
+    tail -n 30 "$log" >&2
+    echo "[setup] pip install failed (full log: $log)" >&2
+    exit 1
+fi
 echo "$venv/bin/python"

@@ -73,6 +73,21 @@ class ModelFacts:
             context_len=int(config.get("max_position_embeddings", 4096)),
         )
 
+    def moe_shape(self, *, tp_size: int = 1, dtype=None):
+        """The :class:`~sglang_rimuru.experts.MoEShape` of one TP rank (bf16 by default)."""
+        import torch
+
+        from sglang_rimuru.experts import MoEShape
+
+        return MoEShape(
+            layer_ids=self.moe_layer_ids,
+            num_experts=self.num_experts,
+            hidden=self.hidden,
+            inter=self.moe_inter // tp_size,
+            top_k=self.top_k,
+            dtype=dtype or torch.bfloat16,
+        )
+
     @classmethod
     def from_model_path(cls, path: str | Path) -> "ModelFacts":
         file = Path(path) / "config.json"

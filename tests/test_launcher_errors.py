@@ -90,3 +90,10 @@ def test_pool_too_small_for_one_expert_per_layer_and_one_request(tiny_moe):
 def test_pool_flags_need_a_pool_mode(tiny_moe):
     proc = run_launcher("--model-path", tiny_moe, "--rimuru-resident-experts", "4")
     assert_one_line_error(proc, "--rimuru-resident-experts", "need --rimuru-mode static")
+
+
+def test_corrupt_ranking_file(tiny_moe, tmp_path):
+    bad = tmp_path / "ranking.json"
+    bad.write_text('{"format": "sglang-rimuru-expert-ranking", "version": 1, "layers": {')
+    proc = run_launcher("--model-path", tiny_moe, "--rimuru-mode", "static", "--rimuru-expert-ranking", str(bad))
+    assert_one_line_error(proc, str(bad))

@@ -96,19 +96,9 @@ def _check_pool_plan(args: argparse.Namespace, config) -> None:
             context_len=args.context_length,
         )
         if config.expert_ranking is not None:
-            import torch
+            from sglang_rimuru.experts import load_ranking
 
-            from sglang_rimuru.experts import MoEShape, load_ranking
-
-            shape = MoEShape(
-                layer_ids=facts.moe_layer_ids,
-                num_experts=facts.num_experts,
-                hidden=facts.hidden,
-                inter=facts.moe_inter,
-                top_k=facts.top_k,
-                dtype=torch.bfloat16,
-            )
-            load_ranking(config.expert_ranking, shape)
+            load_ranking(config.expert_ranking, facts.moe_shape())
     except (PlanError, ValueError) as exc:
         raise LaunchError(str(exc)) from None
 

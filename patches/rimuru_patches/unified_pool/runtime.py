@@ -108,14 +108,7 @@ class RimuruRuntime:
             max_total_tokens=server_args.max_total_tokens,
             context_len=server_args.context_length,
         )
-        shape = MoEShape(
-            layer_ids=facts.moe_layer_ids,
-            num_experts=facts.num_experts,
-            hidden=facts.hidden,
-            inter=facts.moe_inter // model_runner.ps.tp_size,
-            top_k=facts.top_k,
-            dtype=dtype,
-        )
+        shape = facts.moe_shape(tp_size=model_runner.ps.tp_size, dtype=dtype)
         device = torch.device(model_runner.device)
         host = HostExpertStore(shape, pin_memory=device.type == "cuda")
         for layer_id, (moe, _) in layers.items():
