@@ -31,6 +31,8 @@ class RimuruConfig:
     pool_gb: float | None = None
     #: the hot-expert ranking file (default: expert index order)
     expert_ranking: str | None = None
+    #: write a ranking file of the routing this server sees (any mode)
+    record_routing: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -95,6 +97,13 @@ class RimuruConfig:
             "buffers + --max-total-tokens of KV when that is given, else what SGLang would give its KV cache.",
         )
         group.add_argument(
+            "--rimuru-record-routing",
+            default=None,
+            metavar="PATH",
+            help="Count each MoE layer's expert selections and keep PATH updated as a ranking file "
+            "(what python -m sglang_rimuru.rank uses). Works in every mode.",
+        )
+        group.add_argument(
             "--rimuru-expert-ranking",
             default=None,
             metavar="PATH",
@@ -110,6 +119,7 @@ class RimuruConfig:
             resident_experts=args.rimuru_resident_experts,
             pool_gb=args.rimuru_pool_gb,
             expert_ranking=args.rimuru_expert_ranking,
+            record_routing=args.rimuru_record_routing,
         )
 
     def to_dict(self) -> dict:

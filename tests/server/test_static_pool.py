@@ -92,3 +92,39 @@ def test_radix_eviction_returns_pages_to_a_small_pool(tmp_path, model_dir):
         assert forwards >= 50 and hits + misses > 0 and prefetched >= hits
     finally:
         srv.stop()
+
+
+def test_ranking_command_output_is_served_by_static_mode(tmp_path, model_dir):
+    """python -m sglang_rimuru.rank writes a ranking; a static server keeps its hottest experts resident."""
+    import json
+    import subprocess
+    import sys
+
+    from sglang_rimuru.experts import load_ranking
+    from sglang_rimuru.plan import ModelFacts
+
+    path = str(ensure_model("tiny-qwen3-moe", cache_dir=model_dir))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS_16[:6]) + "\n")
+    out = tmp_path / "ranking.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_rimuru.rank", "--model-path", path, "--out", str(out),
+         "--prompts", str(prompts), "--max-new-tokens", "4"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranking = load_ranking(out, ModelFacts.from_model_path(path).moe_shape())
+    data = json.loads(out.read_text())
+    for layer in ("0", "1"):
+        # top-2 routing: frequencies per token sum to 2 over the experts
+        assert abs(sum(data["layers"][layer]["probability"]) - 2.0) < 1e-9
+
+    srv = start_server(["--model-path", path, *STATIC, "--rimuru-expert-ranking", str(out)], tmp_path / "static.log")
+    try:
+        assert len(generate(srv, "ranked experts", max_new_tokens=4)["output_ids"]) == 4
+        log = srv.log()
+    finally:
+        srv.stop()
+    assert f"ranking: {out}" in log
+    for layer in (0, 1):
+        assert f"layer {layer} resident experts: {ranking.order(layer)[:4]}" in log

@@ -157,7 +157,7 @@ class RimuruRuntime:
         logger.info(
             "sglang-rimuru %s pool: %.3f GiB in %d expert pages of %d B; %d resident experts "
             "(%d of %d per layer x %d layers), load buffers 2 x %d, KV capacity %d tokens; "
-            "%d experts (%.3f GiB) in host memory",
+            "%d experts (%.3f GiB) in host memory; ranking: %s",
             config.mode,
             geometry.pool_bytes / GIB,
             geometry.num_expert_pages,
@@ -170,7 +170,10 @@ class RimuruRuntime:
             runtime.kv_capacity_tokens,
             len(shape.layer_ids) * shape.num_experts,
             host.nbytes / GIB,
+            config.expert_ranking or "expert index order",
         )
+        for layer_id in shape.layer_ids[:4]:
+            logger.info("sglang-rimuru layer %d resident experts: %s", layer_id, residency.resident(layer_id))
         logger.debug("sglang-rimuru pool stats: %s", stats)
         return runtime
 
