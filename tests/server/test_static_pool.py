@@ -128,3 +128,25 @@ def test_ranking_command_output_is_served_by_static_mode(tmp_path, model_dir):
     assert f"ranking: {out}" in log
     for layer in (0, 1):
         assert f"layer {layer} resident experts: {ranking.order(layer)[:4]}" in log
+
+
+def test_static_mode_with_tensor_parallel_2(tmp_path, model_dir):
+    """Each TP rank builds its own pool from its shard; outputs equal mode off at TP=2."""
+    path = str(ensure_model("tiny-qwen3-moe", cache_dir=model_dir))
+    base = ["--model-path", path, "--tp-size", "2", "--max-total-tokens", "4096"]
+    prompts = PROMPTS_16[:3]
+    off = start_server(base, tmp_path / "off.log")
+    try:
+        expected = [o["output_ids"] for o in generate(off, prompts, max_new_tokens=4)]
+    finally:
+        off.stop()
+    static = start_server(base + STATIC, tmp_path / "static.log")
+    try:
+        got = [o["output_ids"] for o in generate(static, prompts, max_new_tokens=4)]
+        log = static.log()
+    finally:
+        static.stop()
+    assert got == expected
+    pools = re.findall(r"\[[^\]]* TP(\d)\] sglang-rimuru static pool: (.*)", log)
+    assert sorted(rank for rank, _ in pools) == ["0", "1"]
+    assert pools[0][1] == pools[1][1]  # both ranks sized and filled their pools the same way
