@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import requests
 import sglang as sgl
+
+from sglang_rimuru.serving import ServerNotReady, wait_healthy
 
 
 @sgl.function
@@ -24,25 +25,16 @@ def plan_trip(s, city):
     s["evenings"] = [b["evening"] for b in branches]
 
 
-def wait_healthy(url: str, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    sys.exit(f"server at {url} not healthy after {seconds:.0f} s")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("url")
     parser.add_argument("--wait", type=float, default=0, help="seconds to wait for /health")
     args = parser.parse_args()
     if args.wait:
-        wait_healthy(args.url, args.wait)
+        try:
+            wait_healthy(args.url, args.wait)
+        except ServerNotReady as exc:
+            sys.exit(str(exc))
 
     out = requests.post(
         args.url + "/generate",

@@ -18,17 +18,13 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from sglang_rimuru.plan import ModelFacts, PlanError
+from sglang_rimuru.serving import ServerNotReady, start_local_server
 
 
 def read_prompts(path: str) -> list[str]:
@@ -82,29 +78,6 @@ def _iter_json_array(f, chunk: int = 1 << 20) -> Iterator[dict]:
         buf = buf[end:]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
-    import requests
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode} while starting; its log:\n"
-                             + log.read_text(errors="replace")[-3000:])
-        try:
-            if requests.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"the server was not ready after {timeout:.0f} s (log: {log})")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     server_extra: list[str] = []
@@ -136,17 +109,18 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.mkstemp(prefix="rimuru-rank-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "sglang_rimuru.launch_server", "--model-path", args.model_path,
-           "--host", "127.0.0.1", "--port", str(port), "--rimuru-record-routing", str(out), *server_extra]
     print(f"[rank] starting the server (log: {log})", file=sys.stderr)
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_healthy(url, proc, args.startup_timeout, log)
-
+        server = start_local_server(
+            ["--model-path", args.model_path, "--rimuru-record-routing", str(out), *server_extra],
+            log,
+            timeout=args.startup_timeout,
+        )
+    except ServerNotReady as exc:
+        raise SystemExit(str(exc)) from None
+    url = server.url
+    try:
         def run(prompt: str) -> int:
             body = {"text": prompt, "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0}}
             resp = requests.post(url + "/generate", json=body, timeout=3600)
@@ -159,11 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in tqdm(pool.map(run, prompts), total=len(prompts), desc="routing", unit="prompt"):
                 tokens += n
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        server.stop()
     if not out.exists():
         raise SystemExit(f"the server wrote no ranking file (log: {log})")
     ranking = json.loads(out.read_text())

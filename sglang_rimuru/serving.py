@@ -1,0 +1,98 @@
+"""A rimuru server as a child process: start it, wait until it answers, stop it.
+
+Used by ``python -m sglang_rimuru.rank``, the demo client and the tests. The
+server runs in its own process group (SGLang spawns a scheduler per TP rank
+and a detokenizer; a crashed scheduler can orphan them), so stopping it ends
+the whole group. Plain Python: the server is reached over HTTP only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class ServerNotReady(RuntimeError):
+    """The server exited while starting, or did not answer /health in time."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    """Poll ``url/health`` once a second; raise ServerNotReady if ``proc`` dies or time runs out."""
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise ServerNotReady(f"the server exited with {proc.returncode} while starting")
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise ServerNotReady(f"the server at {url} was not healthy after {timeout:.0f} s")
+
+
+@dataclasses.dataclass
+class LocalServer:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        try:  # children that outlived the launcher
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def launcher_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "sglang_rimuru.launch_server", *args]
+
+
+def start_local_server(
+    args: list[str], log_path: str | Path, *, timeout: float = 300, env: dict | None = None
+) -> LocalServer:
+    """Start ``launch_server`` on a free loopback port with ``args`` and wait for /health.
+
+    On failure the server is stopped and ServerNotReady carries the log's tail.
+    """
+    port = free_port()
+    log_path = Path(log_path)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            launcher_cmd("--host", "127.0.0.1", "--port", str(port), *args),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+    server = LocalServer(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
+    try:
+        wait_healthy(server.url, timeout, proc)
+    except ServerNotReady as exc:
+        server.stop()
+        raise ServerNotReady(f"{exc}; its log ({log_path}) ends:\n{server.log()[-4000:]}") from None
+    return server
