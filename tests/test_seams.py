@@ -117,3 +117,94 @@ def test_pool_seams_resolve_when_the_pool_mode_is_on():
             ]
         )
     )
+
+
+# ---------------------------------------------------------------------------------------
+# experts.kernel_hooks: SGLang's fused-MoE functions for the paged kernel (used on CUDA)
+
+
+def test_kernel_hook_targets_exist_in_the_pinned_sglang_source():
+    # silu_and_mul and moe_sum_reduce are bound only in a CUDA process, so on CPU the
+    # module's source is checked: every target is bound at its top level (any branch).
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    from rimuru_patches.unified_pool.sglang_moe import FUSED_MOE, TARGETS
+
+    # the file, found without importing SGLang's packages
+    root = Path(importlib.util.find_spec("sglang").origin).parent
+    tree = ast.parse((root.parent / (FUSED_MOE.replace(".", "/") + ".py")).read_text())
+    bound = set()
+
+    def bind(statements):  # module level, through if/try branches, not into functions
+        for node in statements:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                bound.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, (ast.If, ast.Try)):
+                bind(node.body + node.orelse + getattr(node, "finalbody", []))
+                for handler in getattr(node, "handlers", []):
+                    bind(handler.body)
+
+    bind(tree.body)
+    assert set(TARGETS) <= bound, sorted(set(TARGETS) - bound)
+
+
+def test_kernel_hook_target_missing_names_itself(monkeypatch):
+    from rimuru_patches.unified_pool import sglang_moe
+
+    monkeypatch.setattr(sglang_moe, "FUSED_MOE", "json")
+    with pytest.raises(SeamTargetMissing, match=r"seam 'experts.kernel_hooks': json has no \['try_get_optimal"):
+        sglang_moe.resolve_targets()
+
+
+def test_kernel_hooks_follow_fused_experts_impl_branches(monkeypatch):
+    import torch
+
+    from rimuru_patches.unified_pool import sglang_moe
+
+    calls = []
+    table = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1}
+    down = dict(table, BLOCK_SIZE_K=128, USE_TMA=True)
+
+    def get_config(w1_shape, w2_shape, top_k, dtype, M, return_down_config=False):
+        calls.append(("config", w1_shape, w2_shape, top_k, dtype, M, return_down_config))
+        return table, (dict(down), 16)
+
+    fakes = {
+        "try_get_optimal_moe_config": get_config,
+        "get_config_dtype_str": lambda dtype: None,
+        "silu_and_mul": object(),
+        "_use_moe_sum_reduce_torch_compile": lambda n: n <= 32,
+        "moe_sum_reduce_torch_compile": lambda x, out, s: calls.append(("compiled", x.shape[0], s)),
+        "moe_sum_reduce": lambda x, out, s: calls.append(("sgl_kernel", x.shape[0], s)),
+    }
+    monkeypatch.setattr(sglang_moe, "resolve_targets", lambda: fakes)
+
+    def hooks(scale=None):
+        return sglang_moe.sglang_kernel_hooks(num_experts=8, hidden=64, inter=32, top_k=2,
+                                              dtype=torch.bfloat16, routed_scaling_factor=scale)
+
+    h = hooks()
+    assert h.act_and_mul is fakes["silu_and_mul"]
+    up, dn = h.configs(300)
+    assert calls.pop() == ("config", (8, 64, 64), (8, 64, 32), 2, None, 300, True)
+    assert up == table and up is not table and dn == dict(table, BLOCK_SIZE_K=128)  # USE_TMA popped
+    assert "USE_TMA" not in table
+
+    x = torch.arange(2 * 3 * 4, dtype=torch.bfloat16).view(2, 3, 4)
+    out = torch.empty(2, 4, dtype=torch.bfloat16)
+    h.combine(x[:, :1], out)
+    assert torch.equal(out, x[:, 0]) and not calls  # k=1: SGLang's down GEMM wrote the output
+    h.combine(x[:, :2], out)
+    assert torch.equal(out, x[:, 0] + x[:, 1]) and not calls  # k=2: torch.add
+    h.combine(x, out)
+    assert calls.pop() == ("compiled", 2, 1.0)  # k=3, T<=32
+    h.combine(torch.zeros(33, 3, 4, dtype=torch.bfloat16), torch.empty(33, 4, dtype=torch.bfloat16))
+    assert calls.pop() == ("sgl_kernel", 33, 1.0)
+    hooks(2.5).combine(x[:, :2], out)  # a scaling factor: never the k<=2 shortcuts
+    assert calls.pop() == ("compiled", 2, 2.5)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        sglang_moe.sglang_kernel_hooks(num_experts=8, hidden=64, inter=32, top_k=2, dtype=torch.float32)

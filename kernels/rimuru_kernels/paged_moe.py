@@ -27,6 +27,7 @@ does over a contiguous [E, N, K] tensor.
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 import triton
@@ -40,6 +41,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M")
+
+#: ``act_and_mul(x [rows, 2I], out [rows, I])``: out = act(x[:, :I]) * x[:, I:]
+ActAndMul = Callable[[torch.Tensor, torch.Tensor], object]
+#: ``combine(intermediate [T, k, H], out [T, H])``: out = the top-k reduction
+Combine = Callable[[torch.Tensor, torch.Tensor], object]
 
 
 class ExpertNotResidentError(ValueError):
@@ -132,12 +138,16 @@ def _paged_moe_gemm_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc=acc, input_precision=DOT_PRECISION)
+        # Written as SGLang's fused_moe_kernel writes it (acc += dot), so that
+        # with the same tiles the two compile to the same fp32 accumulation.
+        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_SIZE_K
         b_ptrs += BLOCK_SIZE_K
 
     acc = tl.where(page_ok[None, :], acc, 0.0)
     if MUL_ROUTED_WEIGHT:
+        # fp32 accumulator times the routing weight, then one rounding to the
+        # output dtype: SGLang's order (bias-free, unquantized).
         w = tl.load(topk_weights_ptr + tok, mask=tok_mask, other=0.0)
         acc = acc * w.to(tl.float32)[:, None]
 
@@ -236,8 +246,20 @@ def _validate_pages(pool, page_table, topk_ids, inter_size, H, page_elems):
             )
 
 
+def _checked_config(name: str, config: dict) -> dict:
+    """The config's launch options (num_warps, num_stages, ...) after checking its keys."""
+    missing = [k for k in _CONFIG_KEYS if k not in config]
+    if missing:
+        raise ValueError(f"paged_fused_moe: {name}: missing keys {missing}")
+    if config.get("USE_TMA"):
+        raise ValueError(f"paged_fused_moe: {name}: USE_TMA is set; the paged kernel has no TMA path")
+    return {k: v for k, v in config.items() if k not in _CONFIG_KEYS and k != "USE_TMA"}
+
+
 def _launch_gemm(a, c, pool, page_table, topk_weights, aligned, *, N, K, rows_per_page,
-                 slot_base, top_k, mul_routed_weight, page_elems, config, upcast):
+                 slot_base, top_k, mul_routed_weight, page_elems, config, options, upcast):
+    """One GEMM. ``options``: the config's other keys (num_warps, num_stages, ...),
+    passed to the launch as SGLang passes ``**config``; absent ones are Triton's defaults."""
     em = aligned.sorted_token_ids.numel()
     bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
     grid = (triton.cdiv(em, bm) * triton.cdiv(N, bn),)
@@ -258,9 +280,22 @@ def _launch_gemm(a, c, pool, page_table, topk_weights, aligned, *, N, K, rows_pe
         BLOCK_SIZE_N=bn,
         BLOCK_SIZE_K=bk,
         GROUP_SIZE_M=config["GROUP_SIZE_M"],
-        num_warps=config.get("num_warps", 4),
-        num_stages=config.get("num_stages", 2),
+        **options,
     )
+
+
+def _silu_and_mul(x: torch.Tensor, out: torch.Tensor) -> None:
+    """The default ``act_and_mul``: this module's Triton SiLU*up (fp32 math)."""
+    inter = out.shape[1]
+    block = min(triton.next_power_of_2(inter), 1024)
+    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(inter, block))](
+        x, out, inter, x.stride(0), out.stride(0), BLOCK=block
+    )
+
+
+def _sum_top_k(intermediate: torch.Tensor, out: torch.Tensor) -> None:
+    """The default ``combine``: a plain sum over the top-k axis."""
+    torch.sum(intermediate, dim=1, out=out)
 
 
 def paged_fused_moe(
@@ -273,6 +308,9 @@ def paged_fused_moe(
     inter_size: int,
     page_elems: int,
     config: dict | None = None,
+    down_config: dict | None = None,
+    act_and_mul: ActAndMul | None = None,
+    combine: Combine | None = None,
     out: torch.Tensor | None = None,
     validate: bool | None = None,
     upcast: bool | None = None,
@@ -285,8 +323,17 @@ def paged_fused_moe(
     topk_weights / topk_ids: [T, k] routing weights and expert ids.
     inter_size: I (per TP shard). page_elems: pool elements per expert page
     (>= I * H; pages may be padded). config: launch config with SGLang's keys
-    (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages); None = from
-    ``configs/``. out: optional [T, H] output (hidden's dtype). validate: host
+    (BLOCK_SIZE_M/N/K, GROUP_SIZE_M; other keys such as num_warps, num_stages
+    go to the launch, absent ones take Triton's defaults); None = from
+    ``configs/``. down_config: the down GEMM's config, None = ``config``; its
+    BLOCK_SIZE_M must equal ``config``'s (one alignment serves both GEMMs).
+    act_and_mul(x [T*k, 2I], out [T*k, I]): writes SiLU(gate) * up into out;
+    None = this module's Triton kernel. combine(intermediate [T, k, H],
+    out [T, H]): writes the top-k reduction of the down GEMM's output (already
+    multiplied by the routing weights) into out; None = ``torch.sum`` over k.
+    The three let a caller reproduce another fused MoE's arithmetic exactly
+    (``rimuru_patches`` passes SGLang's). out: optional [T, H] output
+    (hidden's dtype). validate: host
     checks of routed ids and their pages (syncs; not CUDA-graph safe);
     None = on for CPU tensors or when RIMURU_KERNELS_VALIDATE=1. Without it a
     routed expert with page -1 contributes zero. upcast: feed fp32 to tl.dot
@@ -317,9 +364,17 @@ def paged_fused_moe(
         return out.zero_()
     if config is None:
         config = get_paged_moe_config(E, I, T, hidden.device)
-    missing = [k for k in _CONFIG_KEYS if k not in config]
-    if missing:
-        raise ValueError(f"paged_fused_moe: config: missing keys {missing}")
+    up_options = _checked_config("config", config)
+    if down_config is None:
+        down_config, down_options = config, up_options
+    else:
+        down_options = _checked_config("down_config", down_config)
+        if down_config["BLOCK_SIZE_M"] != config["BLOCK_SIZE_M"]:
+            raise ValueError(
+                f"paged_fused_moe: down_config: BLOCK_SIZE_M {down_config['BLOCK_SIZE_M']} differs "
+                f"from config's {config['BLOCK_SIZE_M']}; both GEMMs read one token alignment "
+                "padded to config's BLOCK_SIZE_M"
+            )
 
     aligned = moe_align_block_size_triton(topk_ids, config["BLOCK_SIZE_M"], E)
     page_table = page_table.contiguous()
@@ -330,19 +385,16 @@ def paged_fused_moe(
     _launch_gemm(hidden, gate_up, pool, page_table, topk_weights, aligned,
                  N=2 * I, K=H, rows_per_page=I, slot_base=0, top_k=top_k,
                  mul_routed_weight=False, page_elems=page_elems, config=config,
-                 upcast=upcast)
+                 options=up_options, upcast=upcast)
 
     act = torch.empty(rows, I, dtype=hidden.dtype, device=hidden.device)
-    block = min(triton.next_power_of_2(I), 1024)
-    _silu_and_mul_kernel[(rows, triton.cdiv(I, block))](
-        gate_up, act, I, gate_up.stride(0), act.stride(0), BLOCK=block
-    )
+    (act_and_mul or _silu_and_mul)(gate_up, act)
 
     down = torch.empty(rows, H, dtype=hidden.dtype, device=hidden.device)
     _launch_gemm(act, down, pool, page_table, topk_weights, aligned,
                  N=H, K=I, rows_per_page=H, slot_base=2, top_k=1,
-                 mul_routed_weight=True, page_elems=page_elems, config=config,
-                 upcast=upcast)
+                 mul_routed_weight=True, page_elems=page_elems, config=down_config,
+                 options=down_options, upcast=upcast)
 
-    torch.sum(down.view(T, top_k, H), dim=1, out=out)
+    (combine or _sum_top_k)(down.view(T, top_k, H), out)
     return out

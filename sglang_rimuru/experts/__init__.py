@@ -8,7 +8,7 @@ See README.md.
 
 from .host_store import HostExpertStore
 from .load_buffers import NUM_LOAD_BUFFERS, LoadBuffers, load_buffer_page_owner
-from .manager import BufferContent, ExpertManager, ExpertNotPreparedError, ExpertStats
+from .manager import BufferContent, ExpertManager, ExpertNotPreparedError, ExpertStats, KernelHooks
 from .ranking import FORMAT, VERSION, ExpertRanking, RankingError, load_ranking, save_ranking
 from .residency import ExpertResidency, expert_owners
 from .shapes import MATRIX_NAMES, MoEShape, NotEnoughPagesError
@@ -25,6 +25,7 @@ __all__ = [
     "ExpertResidency",
     "ExpertStats",
     "HostExpertStore",
+    "KernelHooks",
     "LoadBuffers",
     "MoEShape",
     "NotEnoughPagesError",

@@ -43,7 +43,7 @@ that case.  A layer with every expert resident returns its table without a sync.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +55,7 @@ from .load_buffers import NUM_LOAD_BUFFERS, LoadBuffers
 from .residency import ExpertResidency
 from .shapes import MoEShape
 
-__all__ = ["BufferContent", "ExpertManager", "ExpertNotPreparedError", "ExpertStats"]
+__all__ = ["BufferContent", "ExpertManager", "ExpertNotPreparedError", "ExpertStats", "KernelHooks"]
 
 
 class ExpertNotPreparedError(RuntimeError):
@@ -77,6 +77,25 @@ class ExpertStats:
     def prefetch_hit_rate(self) -> float:
         n = self.prefetch_hits + self.on_demand_loads
         return self.prefetch_hits / n if n else 0.0
+
+
+@dataclass(frozen=True)
+class KernelHooks:
+    """What ``compute_cuda`` hands the paged kernel besides the tensors (None = the kernel's own).
+
+    configs(num_tokens) -> (config, down_config or None): the launch configs of the
+        gate/up and down GEMMs for a call with ``num_tokens`` tokens (same
+        ``BLOCK_SIZE_M``: one alignment serves both);
+    act_and_mul(x [T*k, 2I], out [T*k, I]): writes SiLU(gate) * up into out;
+    combine(intermediate [T, k, H], out [T, H]): writes the top-k reduction into out.
+
+    The SGLang seam sets SGLang's own functions here, so that the CUDA path does
+    SGLang's fused-MoE arithmetic exactly (``rimuru_patches.unified_pool.sglang_moe``).
+    """
+
+    configs: Callable[[int], tuple[dict, dict | None]] | None = None
+    act_and_mul: Callable[[torch.Tensor, torch.Tensor], object] | None = None
+    combine: Callable[[torch.Tensor, torch.Tensor], object] | None = None
 
 
 class BufferContent(NamedTuple):
@@ -157,6 +176,8 @@ class ExpertManager:
         self._bufs = [_BufferState() for _ in range(NUM_LOAD_BUFFERS)]
         self._pending: list[set[int]] = [set() for _ in range(NUM_LOAD_BUFFERS)]
         self._in_forward = False
+        #: what compute_cuda passes the paged kernel (set once, e.g. by the SGLang seam)
+        self.kernel_hooks = KernelHooks()
         self._n = dict(forwards=0, layers_prepared=0, prefetched=0, prefetch_hits=0,
                        on_demand_loads=0, bytes_copied=0)
 
@@ -282,18 +303,27 @@ class ExpertManager:
 
     def compute_cuda(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, table: torch.Tensor,
-                     config: dict | None = None) -> torch.Tensor:
+                     config: dict | None = None, down_config: dict | None = None,
+                     hooks: KernelHooks | None = None) -> torch.Tensor:
         """The paged Triton kernel (``rimuru_kernels.paged_fused_moe``) over the pool.
 
-        Also runs on CPU tensors when ``TRITON_INTERPRET=1`` was set before
-        ``rimuru_kernels`` was first imported (tests only).
+        ``hooks`` (default ``self.kernel_hooks``) supply the launch configs,
+        SiLU*up and top-k combine; an explicit ``config`` / ``down_config``
+        wins over ``hooks.configs``. Also runs on CPU tensors when
+        ``TRITON_INTERPRET=1`` was set before ``rimuru_kernels`` was first
+        imported (tests only).
         """
         from rimuru_kernels import paged_fused_moe  # lazy: triton only where it runs
 
         self.shape.check_layer(layer_id)
+        hooks = self.kernel_hooks if hooks is None else hooks
+        if config is None and hooks.configs is not None and hidden.shape[0] > 0:
+            config, hooked_down = hooks.configs(hidden.shape[0])
+            down_config = hooked_down if down_config is None else down_config
         return paged_fused_moe(hidden, self.pool_flat, table, topk_weights, topk_ids,
                                inter_size=self.shape.inter, page_elems=self.page_elems,
-                               config=config)
+                               config=config, down_config=down_config,
+                               act_and_mul=hooks.act_and_mul, combine=hooks.combine)
 
     def compute_cpu(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

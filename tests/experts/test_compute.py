@@ -279,3 +279,53 @@ def test_compute_cuda_kernel_wiring_under_the_interpreter() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compute_cuda_on_gpu_with_streams() -> None:
     _kernel_matches_cpu("cuda", T=300)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy, inside the interpreter
+def test_compute_cuda_passes_the_manager_kernel_hooks() -> None:
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CUDA present: tests/kernels/test_gpu_sglang_exact.py covers the hooks on the GPU")
+    import rimuru_kernels.paged_moe as pm
+
+    if not pm.INTERPRETED:
+        pytest.skip("rimuru_kernels was imported without TRITON_INTERPRET=1 in this session")
+    from sglang_rimuru.experts import KernelHooks
+
+    T, k, E, I, H = 10, 2, 8, 16, 32
+    shape = tiny_shape(E=E, I=I, H=H, k=k)
+    rig = make_rig(shape, limit=3, resident=5, gates="random", fragment=True)
+    m = rig.manager
+    assert m.kernel_hooks == KernelHooks()  # the kernel's own defaults until someone sets them
+    cfg = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 16, "GROUP_SIZE_M": 1}
+    calls = []
+
+    def configs(num_tokens):
+        calls.append(("configs", num_tokens))
+        return dict(cfg), dict(cfg, BLOCK_SIZE_N=16)
+
+    def act_and_mul(x, out):
+        calls.append(("act", tuple(x.shape), tuple(out.shape)))
+        pm._silu_and_mul(x, out)
+
+    def combine(intermediate, out):
+        calls.append(("combine", tuple(intermediate.shape), tuple(out.shape)))
+        torch.sum(intermediate, dim=1, out=out)
+
+    m.kernel_hooks = KernelHooks(configs=configs, act_and_mul=act_and_mul, combine=combine)
+    g = torch.Generator().manual_seed(11)
+    layer = shape.layer_ids[0]
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    w, i = route(T, E, k, g)
+    m.begin_forward()
+    table = m.prepare_layer(layer, i)
+    out = m.compute_cuda(layer, x, w, i, table).float()
+    m.end_forward()
+    assert calls == [("configs", T), ("act", (T * k, 2 * I), (T * k, I)), ("combine", (T, k, H), (T, H))]
+    ref = sglang_reference(rig, layer, x, w, i).float()
+    assert (out - ref).abs().max().item() <= 0.02 * ref.abs().max().item() + 1e-3
+
+    # An explicit config wins over hooks.configs; act_and_mul and combine still apply.
+    calls.clear()
+    m.compute_cuda(layer, x, w, i, table, config=dict(cfg))
+    assert [c[0] for c in calls] == ["act", "combine"]

@@ -10,7 +10,9 @@ Seams (all inert unless the mode is on; ledger in ``patches/README.md``):
 * ``KVCacheConfigurator._build_mha_kv_pool`` / ``_build_token_to_kv_pool_allocator``:
   the KV buffers are views of the pool's bytes; the allocator asks the pool;
 * ``ModelRunner.forward``: per-forward state of the expert manager;
-* ``FusedMoE.run_moe_core``: managed layers compute from the pool.
+* ``FusedMoE.run_moe_core``: managed layers compute from the pool; on CUDA
+  with SGLang's own launch configs, SiLU*up and top-k combine
+  (``sglang_moe.py``, ledger row ``experts.kernel_hooks``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ SGLang builds its KV pool:
    (``kv.py``), sized to what the pool can give KV.
 
 During a forward pass ``FusedMoE.run_moe_core`` of a managed layer calls
-:meth:`RimuruRuntime.moe_forward` instead of SGLang's quant method.
+:meth:`RimuruRuntime.moe_forward` instead of SGLang's quant method. On CUDA the
+manager's paged kernel gets SGLang's launch configs, SiLU*up and top-k combine
+(``sglang_moe.py``), so its outputs are bit-identical to SGLang's fused MoE.
 """
 
 from __future__ import annotations
@@ -140,6 +142,8 @@ class RimuruRuntime:
         load_buffers = LoadBuffers(shape, page_pool, slots=plan.offload_limit)
         gates = {layer_id: gate for layer_id, (_, gate) in layers.items()}
         manager = ExpertManager(shape, buffer, residency, host, load_buffers, gates, device)
+        if device.type == "cuda":
+            manager.kernel_hooks = cls._sglang_kernel_hooks(layers, shape, server_args)
         manager.upload_resident()
         runtime = cls(
             config=config,
@@ -178,13 +182,40 @@ class RimuruRuntime:
         return runtime
 
     @staticmethod
+    def _sglang_kernel_hooks(layers, shape: MoEShape, server_args):
+        """SGLang's configs, SiLU*up and combine for the paged kernel (CUDA); loud if SGLang moved them."""
+        from rimuru_patches.unified_pool.sglang_moe import sglang_kernel_hooks
+
+        scales = {getattr(moe.moe_runner_config, "routed_scaling_factor", None) for moe, _ in layers.values()}
+        if len(scales) > 1:
+            raise RuntimeError(f"--rimuru-mode: MoE layers use different routed_scaling_factor values {scales}")
+        if getattr(server_args, "enable_fused_moe_sum_all_reduce", False) and shape.top_k > 2:
+            logger.warning(
+                "sglang-rimuru: --enable-fused-moe-sum-all-reduce: SGLang's down GEMM adds atomically into "
+                "its output; the paged kernel reduces top-k as SGLang does without the flag"
+            )
+        return sglang_kernel_hooks(
+            num_experts=shape.num_experts,
+            hidden=shape.hidden,
+            inter=shape.inter,
+            top_k=shape.top_k,
+            dtype=shape.dtype,
+            routed_scaling_factor=scales.pop(),
+        )
+
+    @staticmethod
     def _check_layer(moe, shape: MoEShape) -> None:
         cfg = moe.moe_runner_config
         problems = []
         if moe.moe_ep_size > 1:
             problems.append("expert parallelism")
-        if cfg.activation != "silu" or cfg.apply_router_weight_on_input or cfg.gemm1_alpha is not None:
-            problems.append(f"activation {cfg.activation} (silu only)")
+        if cfg.num_experts != cfg.num_local_experts:
+            problems.append(f"{cfg.num_local_experts} local of {cfg.num_experts} experts (fused shared experts?)")
+        if (cfg.activation != "silu" or not cfg.is_gated or cfg.apply_router_weight_on_input
+                or cfg.gemm1_alpha is not None or cfg.gemm1_clamp_limit is not None or cfg.swiglu_limit is not None):
+            problems.append(f"activation {cfg.activation} (plain gated silu only)")
+        if cfg.no_combine:
+            problems.append("no_combine")
         if getattr(moe, "w13_weight_bias", None) is not None:
             problems.append("expert biases")
         expected13 = (shape.num_experts, 2 * shape.inter, shape.hidden)
