@@ -12,8 +12,9 @@ import argparse
 import dataclasses
 
 #: ``off``: plain SGLang. ``static``: experts and KV cache in one page pool,
-#: split fixed at start (the paper's fixed-ratio baseline).
-MODES = ("off", "static")
+#: split fixed at start (the paper's fixed-ratio baseline). ``elastic``: the
+#: same pool, and the adjuster moves the split every scheduling round.
+MODES = ("off", "static", "elastic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,12 @@ class RimuruConfig:
     expert_ranking: str | None = None
     #: write a ranking file of the routing this server sees (any mode)
     record_routing: str | None = None
+    #: elastic mode: the adjuster's thresholds (sglang_rimuru.adjuster.policy)
+    adjuster_evict_low_water: int = 2
+    adjuster_restore_high_water: int = 9
+    adjuster_max_restores: int = 5
+    #: elastic mode: append one JSON line per round in which the split changed
+    adjuster_trace: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -48,7 +55,36 @@ class RimuruConfig:
         if self.mode == "off":
             given = [f for f, v in self._pool_flags().items() if v is not None]
             if given:
-                raise ValueError(f"{', '.join(given)} need --rimuru-mode static")
+                raise ValueError(f"{', '.join(given)} need --rimuru-mode static or elastic")
+        if self.mode != "elastic":
+            given = [f for f, v in self._elastic_flags().items() if v != self._default(f)]
+            if given:
+                raise ValueError(f"{', '.join(given)} need --rimuru-mode elastic")
+        else:
+            self.adjuster_policy()  # the policy checks its thresholds (one-line errors)
+
+    def _elastic_flags(self) -> dict[str, object]:
+        return {
+            "--rimuru-adjuster-evict-low-water": self.adjuster_evict_low_water,
+            "--rimuru-adjuster-restore-high-water": self.adjuster_restore_high_water,
+            "--rimuru-adjuster-max-restores": self.adjuster_max_restores,
+            "--rimuru-adjuster-trace": self.adjuster_trace,
+        }
+
+    @staticmethod
+    def _default(flag: str) -> object:
+        field = flag.removeprefix("--rimuru-").replace("-", "_")
+        return RimuruConfig.__dataclass_fields__[field].default
+
+    def adjuster_policy(self):
+        """The elastic adjuster's ``AdjusterPolicy`` from these flags."""
+        from sglang_rimuru.adjuster.policy import AdjusterPolicy
+
+        return AdjusterPolicy(
+            evict_low_water=self.adjuster_evict_low_water,
+            restore_high_water=self.adjuster_restore_high_water,
+            max_restores_per_round=self.adjuster_max_restores,
+        )
 
     def _pool_flags(self) -> dict[str, object]:
         return {
@@ -70,7 +106,9 @@ class RimuruConfig:
             choices=MODES,
             default=RimuruConfig.mode,
             help="How expert weights and the KV cache share GPU memory. 'off': plain SGLang. "
-            "'static': one page pool holds both, with a fixed number of resident experts per layer.",
+            "'static': one page pool holds both, with a fixed number of resident experts per layer. "
+            "'elastic': the same pool; under load cold experts go to host memory to make room for "
+            "KV, and come back when load falls.",
         )
         group.add_argument(
             "--rimuru-expert-offload-limit",
@@ -85,8 +123,8 @@ class RimuruConfig:
             type=int,
             default=None,
             metavar="N",
-            help="static mode: routed experts per MoE layer kept in the pool (the highest ranked). "
-            "Default: all but --rimuru-expert-offload-limit.",
+            help="Routed experts per MoE layer kept in the pool (the highest ranked); in elastic mode "
+            "the number at start. Default: static: all but --rimuru-expert-offload-limit; elastic: all.",
         )
         group.add_argument(
             "--rimuru-pool-gb",
@@ -111,6 +149,35 @@ class RimuruConfig:
             "Default: expert index order.",
         )
 
+        group.add_argument(
+            "--rimuru-adjuster-evict-low-water",
+            type=int,
+            default=RimuruConfig.adjuster_evict_low_water,
+            metavar="PAGES",
+            help="elastic: evict one expert pre-emptively when fewer free expert pages than this remain.",
+        )
+        group.add_argument(
+            "--rimuru-adjuster-restore-high-water",
+            type=int,
+            default=RimuruConfig.adjuster_restore_high_water,
+            metavar="PAGES",
+            help="elastic: restore experts while more free expert pages than this remain.",
+        )
+        group.add_argument(
+            "--rimuru-adjuster-max-restores",
+            type=int,
+            default=RimuruConfig.adjuster_max_restores,
+            metavar="N",
+            help="elastic: most experts restored in one scheduling round (0: never restore).",
+        )
+        group.add_argument(
+            "--rimuru-adjuster-trace",
+            default=None,
+            metavar="PATH",
+            help="elastic: append one JSON line per scheduling round in which the split changed "
+            "(PATH gets a .tpN suffix per TP rank above 0).",
+        )
+
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "RimuruConfig":
         return cls(
@@ -120,6 +187,10 @@ class RimuruConfig:
             pool_gb=args.rimuru_pool_gb,
             expert_ranking=args.rimuru_expert_ranking,
             record_routing=args.rimuru_record_routing,
+            adjuster_evict_low_water=args.rimuru_adjuster_evict_low_water,
+            adjuster_restore_high_water=args.rimuru_adjuster_restore_high_water,
+            adjuster_max_restores=args.rimuru_adjuster_max_restores,
+            adjuster_trace=args.rimuru_adjuster_trace,
         )
 
     def to_dict(self) -> dict:

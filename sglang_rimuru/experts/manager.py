@@ -71,6 +71,7 @@ class ExpertStats:
     prefetched: int = 0  # experts copied into a load buffer by prefetch_next
     prefetch_hits: int = 0  # routed offloaded experts found already prefetched
     on_demand_loads: int = 0  # routed offloaded experts copied by prepare_layer (misses)
+    restored: int = 0  # experts copied into their own pages by start_uploads (restores)
     bytes_copied: int = 0  # host -> device bytes of all those copies
 
     @property
@@ -179,7 +180,7 @@ class ExpertManager:
         #: what compute_cuda passes the paged kernel (set once, e.g. by the SGLang seam)
         self.kernel_hooks = KernelHooks()
         self._n = dict(forwards=0, layers_prepared=0, prefetched=0, prefetch_hits=0,
-                       on_demand_loads=0, bytes_copied=0)
+                       on_demand_loads=0, restored=0, bytes_copied=0)
 
         self._cuda = self.device.type == "cuda"
         if self._cuda:
@@ -188,6 +189,8 @@ class ExpertManager:
             self._ready_ev = torch.cuda.Event()
             self._prefetch_ev = [torch.cuda.Event() for _ in range(NUM_LOAD_BUFFERS)]
             self._load_ev = [torch.cuda.Event() for _ in range(NUM_LOAD_BUFFERS)]
+            self._upload_ev = torch.cuda.Event()
+        self._uploads_pending = False
         self.refresh_tables()
 
     # ================================================================ forward protocol
@@ -416,6 +419,40 @@ class ExpertManager:
         self._copy_expert(layer, expert, tuple(pages), non_blocking=False)
         if self._cuda:
             torch.cuda.current_stream(self.device).synchronize()
+
+    def start_uploads(self, moves: list[tuple[int, int, tuple[int, int, int]]]) -> None:
+        """Start copying experts ``(layer, expert, pages)`` from the host store into
+        pages reserved for them (restores of a migration order).
+
+        On CUDA the copies go on the prefetch stream, ahead of every prediction the
+        forward pass queues after them, and overlap the pass; ``wait_uploads``
+        blocks until they landed.  The tables do not point at these pages until
+        ``ExpertResidency.admit`` and the next refresh, so nothing reads a
+        half-copied expert.  On CPU the copies are done on return.
+        """
+        if not moves:
+            return
+        for layer, expert, pages in moves:
+            self.shape.check_layer(layer)
+            self.shape.check_expert(expert)
+        if self._cuda:
+            self._prefetch_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._prefetch_stream):
+                for layer, expert, pages in moves:
+                    self._copy_expert(layer, expert, tuple(pages), non_blocking=True)
+                self._upload_ev.record(self._prefetch_stream)
+            self._uploads_pending = True
+        else:
+            for layer, expert, pages in moves:
+                self._copy_expert(layer, expert, tuple(pages), non_blocking=False)
+        self._n["restored"] += len(moves)
+        self._n["bytes_copied"] += len(moves) * 3 * self.shape.matrix_elems * self.shape.dtype.itemsize
+
+    def wait_uploads(self) -> None:
+        """Block until every copy ``start_uploads`` started has landed."""
+        if self._cuda and self._uploads_pending:
+            self._upload_ev.synchronize()
+            self._uploads_pending = False
 
     def buffer_content(self, buffer: int) -> BufferContent:
         st = self._bufs[buffer]

@@ -69,7 +69,13 @@ def _token_cap(orig, ctx):
     def _apply_token_constraints(self, token_capacity):
         capped = orig(self, token_capacity)
         runtime = _runtime()
-        return capped if runtime is None else min(capped, runtime.kv_capacity_tokens)
+        if runtime is None:
+            return capped
+        if runtime.elastic is not None:
+            # --max-total-tokens sized the pool (KV at start, every expert resident);
+            # KV grows past it as experts leave, up to what the offload limit allows.
+            return runtime.kv_capacity_tokens
+        return min(capped, runtime.kv_capacity_tokens)
 
     return _apply_token_constraints
 
@@ -115,10 +121,14 @@ def _forward(orig, ctx):
         if runtime is None:
             return orig(self, forward_batch, *args, **kwargs)
         runtime.manager.begin_forward()
+        if runtime.elastic is not None:  # this round's migration order rides along this pass
+            runtime.elastic.before_forward()
         try:
             return orig(self, forward_batch, *args, **kwargs)
         finally:
             runtime.manager.end_forward()
+            if runtime.elastic is not None:
+                runtime.elastic.after_forward()
             runtime.log_stats_every(STATS_EVERY_FORWARDS)
 
     return forward

@@ -44,6 +44,11 @@ class PooledTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         self.is_not_in_free_group = True
         self.free_group = []
 
+    @property
+    def held_count(self) -> int:
+        """KV slots SGLang holds (in requests or its radix cache)."""
+        return len(self._held)
+
     def available_size(self):
         return min(self.runtime.page_pool.kv_capacity_now(), self.size - len(self._held))
 

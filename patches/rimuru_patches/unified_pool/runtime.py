@@ -21,6 +21,7 @@ manager's paged kernel gets SGLang's launch configs, SiLU*up and top-k combine
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -64,7 +65,8 @@ def find_moe_layers(model: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, 
 
 
 class RimuruRuntime:
-    def __init__(self, *, config, plan, geometry, page_pool, buffer, shape, residency, manager, device):
+    def __init__(self, *, config, plan, geometry, page_pool, buffer, shape, residency, manager, device,
+                 elastic=None):
         self.config: RimuruConfig = config
         self.plan: PoolPlan = plan
         self.geometry: PoolGeometry = geometry
@@ -75,10 +77,20 @@ class RimuruRuntime:
         self.manager: ExpertManager = manager
         self.device = torch.device(device)
         self.layer_ids = frozenset(shape.layer_ids)
+        #: the elastic mode's ``ElasticController`` (None in static mode)
+        self.elastic = elastic
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.page_pool.kv_capacity_now() * self.plan.page_size
+        """KV tokens SGLang may ever hold: now (static), or once every expert the
+        offload limit lets go has left the pool (elastic; KV pages per expert page
+        counted at the geometry's minimum, so it is always reachable)."""
+        now = self.page_pool.kv_capacity_now()
+        if self.elastic is None:
+            return now * self.plan.page_size
+        min_resident = len(self.shape.layer_ids) * (self.shape.num_experts - self.plan.offload_limit)
+        evictable_pages = 3 * max(0, self.residency.num_resident() - min_resident)
+        return (now + evictable_pages * self.plan.kv_pages_per_expert_page) * self.plan.page_size
 
     # -- building ---------------------------------------------------------
 
@@ -145,6 +157,9 @@ class RimuruRuntime:
         if device.type == "cuda":
             manager.kernel_hooks = cls._sglang_kernel_hooks(layers, shape, server_args)
         manager.upload_resident()
+        elastic = None
+        if config.mode == "elastic":
+            elastic = cls._build_elastic(config, page_pool, residency, ranking, manager, model_runner.ps.tp_rank)
         runtime = cls(
             config=config,
             plan=plan,
@@ -155,6 +170,7 @@ class RimuruRuntime:
             residency=residency,
             manager=manager,
             device=device,
+            elastic=elastic,
         )
         _ACTIVE = runtime
         stats = page_pool.stats()
@@ -201,6 +217,26 @@ class RimuruRuntime:
             top_k=shape.top_k,
             dtype=shape.dtype,
             routed_scaling_factor=scales.pop(),
+        )
+
+    @staticmethod
+    def _build_elastic(config: RimuruConfig, page_pool, residency, ranking, manager, tp_rank: int):
+        from sglang_rimuru.adjuster import Adjuster
+        from sglang_rimuru.adjuster.applier import OrderApplier
+        from sglang_rimuru.adjuster.controller import ElasticController
+        from sglang_rimuru.adjuster.link import OrderLink
+
+        adjuster = Adjuster(config.adjuster_policy(), page_pool, residency, ranking)
+        link = OrderLink()
+        trace = config.adjuster_trace
+        if trace and tp_rank:
+            trace = f"{trace}.tp{tp_rank}"
+        return ElasticController(
+            adjuster,
+            link,
+            OrderApplier(manager, link),
+            trace_path=trace,
+            check_invariants=os.environ.get("SGLANG_RIMURU_CHECK_INVARIANTS") == "1",
         )
 
     @staticmethod

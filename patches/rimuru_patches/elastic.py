@@ -1,0 +1,189 @@
+"""The elastic split inside SGLang's scheduler (``--rimuru-mode elastic``).
+
+The round logic lives in ``sglang_rimuru.adjuster`` (``ElasticController``,
+built with the pool in ``unified_pool/runtime.py``); these seams feed it from
+SGLang 0.5.17's scheduler loop (ledger in ``patches/README.md``):
+
+* ``Scheduler.get_next_batch_to_run`` (after it returns): the round hook. The
+  adjuster plans this round's order from the shortfall the round recorded;
+  the order goes to the worker over the ZMQ link; the invariant checker's
+  copy of the KV capacity follows the split.
+* ``PrefillAdder.add_one_req`` returning ``NO_TOKEN``: the KV the refused
+  request lacks (what its own budget check compared) becomes the adjuster's
+  demand until the request gets in; once an eviction completes, SGLang's
+  ``batch_is_full`` is cleared so the next round tries the prefill again
+  (``controller.py`` says in which round it is admitted).
+* ``ScheduleBatch.check_decode_mem`` failing: before SGLang retracts running
+  requests, evict experts now (no forward pass is running) while the offload
+  limit allows; retract only what eviction cannot cover.
+
+The forward-pass half (the worker takes the order at the start of
+``ModelRunner.forward`` and acknowledges after it) is in the
+``experts.forward_pass`` seam of ``unified_pool``. Elastic mode runs SGLang's
+normal (non-overlap) scheduler loop, where no forward pass runs while the
+scheduler decides; ``server.py`` turns the overlap scheduler off.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rimuru_patches.context import ProcessContext
+from rimuru_patches.seams import Seam, register
+
+logger = logging.getLogger(__name__)
+
+
+def _on(ctx: ProcessContext) -> bool:
+    return ctx.rimuru.get("mode") == "elastic"
+
+
+def _controller():
+    from rimuru_patches.unified_pool.runtime import active
+
+    runtime = active()
+    return None if runtime is None else runtime.elastic
+
+
+def sync_capacity(scheduler) -> None:
+    """Point SGLang's fixed copies of the KV capacity at the pool's current one.
+
+    SGLang's idle leak check asserts ``available + evictable + protected +
+    session_held == max_total_num_tokens``; with a moving split the right total
+    is what KV holds plus what it could take now. ``Scheduler.max_total_num_tokens``
+    stays the most KV can ever have (it bounds request lengths), and so does the
+    pool-stats observer's copy (frozen; SGLang's token usage is reported
+    against that maximum).
+    """
+    alloc = scheduler.token_to_kv_pool_allocator
+    scheduler.invariant_checker.max_total_num_tokens = alloc.held_count + alloc.available_size()
+
+
+def _after_change(scheduler) -> None:
+    """An order completed (after a forward pass, or in the round hook)."""
+    sync_capacity(scheduler)
+    ctl = _controller()
+    if ctl.freed:
+        # SGLang stops trying prefills after one is refused for lack of KV
+        # (batch_is_full) until a request finishes; pages freed by eviction must
+        # let it try again in the next round.
+        ctl.freed = False
+        scheduler.running_batch.batch_is_full = False
+
+
+def _round(orig, ctx):
+    def get_next_batch_to_run(self, *args, **kwargs):
+        plan = orig(self, *args, **kwargs)
+        ctl = _controller()
+        if ctl is None:
+            return plan
+        if ctl.on_change is None:
+            ctl.on_change = lambda done: _after_change(self)
+            _Metrics.maybe_start(self, ctl)
+        if not self.waiting_queue:
+            ctl.clear_demand()
+        ctl.round(forward_follows=plan.batch_to_run is not None, waiting=len(self.waiting_queue))
+        sync_capacity(self)
+        if ctl.freed:  # evictions done in this hook: the next round may admit again
+            ctl.freed = False
+            plan.running_batch.batch_is_full = False
+        _Metrics.publish(ctl)
+        return plan
+
+    return get_next_batch_to_run
+
+
+def _prefill_shortfall(orig, ctx):
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddReqResult
+
+    def add_one_req(self, req, *args, **kwargs):
+        result = orig(self, req, *args, **kwargs)
+        ctl = _controller()
+        if ctl is None:
+            return result
+        if result is AddReqResult.NO_TOKEN:
+            # What PrefillAdder's own check wanted for this request, beyond its budget
+            # (free + evictable radix tokens - what running requests will still need).
+            max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+            want = len(req.full_untruncated_fill_ids) - len(req.prefix_indices) + max_new + self.page_size
+            short = max(1, want - int(self.rem_total_tokens) + 1)
+            ctl.note_demand(self.token_to_kv_pool_allocator.available_size() + short)
+        elif result is AddReqResult.CONTINUE:
+            ctl.clear_demand()
+        return result
+
+    return add_one_req
+
+
+def _decode_shortfall(orig, ctx):
+    def check_decode_mem(self, selected_indices=None):
+        ok = orig(self, selected_indices)
+        ctl = _controller()
+        while not ok and ctl is not None:
+            need = self.new_tokens_required_next_decode(selected_indices)
+            if not ctl.urgent(need, waiting=0):
+                break  # the offload limit is reached: SGLang retracts as usual
+            ok = orig(self, selected_indices)
+        return ok
+
+    return check_decode_mem
+
+
+class _Metrics:
+    """``sglang_rimuru:*`` gauges on SGLang's /metrics (only with --enable-metrics)."""
+
+    gauges: dict | None = None
+    labels: dict = {}
+
+    DOCS = {
+        "resident_experts": "Routed experts resident in the pool (all MoE layers)",
+        "offloaded_experts": "Routed experts in host memory (all MoE layers)",
+        "expert_pages": "Pool expert pages holding resident experts",
+        "other_expert_pages": "Pool expert pages of the load buffers",
+        "kv_split_expert_pages": "Pool expert pages split into KV pages",
+        "free_expert_pages": "Whole free pool expert pages",
+        "kv_pages_used": "KV pages in use",
+        "evictions": "Experts evicted to host memory (cumulative)",
+        "restores": "Experts restored into the pool (cumulative)",
+        "orders_completed": "Migration orders applied (cumulative)",
+        "orders_aborted": "Migration orders refused by the worker (cumulative)",
+        "urgent_orders": "Evictions made to avoid retracting decode requests (cumulative)",
+        "refused_orders": "Malformed or out-of-sequence orders refused (cumulative)",
+        "bytes_copied": "Host-to-device expert bytes copied (cumulative)",
+        "on_demand_loads": "Offloaded experts loaded after routing: load-buffer misses (cumulative)",
+        "prefetch_hits": "Offloaded experts found prefetched (cumulative)",
+    }
+
+    @classmethod
+    def maybe_start(cls, scheduler, ctl) -> None:
+        if not getattr(scheduler.metrics_reporter, "enable_metrics", False):
+            return
+        from prometheus_client import Gauge
+
+        cls.labels = {"tp_rank": str(scheduler.ps.tp_rank)}
+        cls.gauges = {
+            k: Gauge(f"sglang_rimuru:{k}", doc, labelnames=list(cls.labels), multiprocess_mode="mostrecent")
+            for k, doc in cls.DOCS.items()
+        }
+
+    @classmethod
+    def publish(cls, ctl) -> None:
+        if cls.gauges is None:
+            return
+        from rimuru_patches.unified_pool.runtime import active
+
+        values = ctl.snapshot()
+        stats = active().manager.stats()
+        values.update(bytes_copied=stats.bytes_copied, on_demand_loads=stats.on_demand_loads,
+                      prefetch_hits=stats.prefetch_hits)
+        for k, g in cls.gauges.items():
+            g.labels(**cls.labels).set(values[k])
+
+
+_SCHED = "sglang.srt.managers.scheduler:Scheduler"
+for _name, _target, _why, _build in (
+    ("elastic.round", f"{_SCHED}.get_next_batch_to_run", "plan each round's migration order after the batch is chosen", _round),
+    ("elastic.prefill_shortfall", "sglang.srt.managers.schedule_policy:PrefillAdder.add_one_req", "a prefill refused for lack of KV is the round's shortfall", _prefill_shortfall),
+    ("elastic.decode_shortfall", "sglang.srt.managers.schedule_batch:ScheduleBatch.check_decode_mem", "evict experts before SGLang retracts decode requests", _decode_shortfall),
+):
+    register(Seam(name=_name, target=_target, why=_why, build=_build, applies=_on))

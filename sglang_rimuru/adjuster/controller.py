@@ -1,0 +1,216 @@
+"""``ElasticController``: one scheduler process's elastic split, round by round.
+
+It ties the ``Adjuster`` (what to move), the ``OrderLink`` (ZMQ) and the
+worker's ``OrderApplier`` (safe application) to the points of SGLang's
+scheduler loop where the integrator (``patches/rimuru_patches/elastic``) calls it:
+
+    note_demand(n)      the scheduler refused a prefill: it needs n KV pages in
+                        all (what is free now + what it lacked); the demand stands
+                        until the request is admitted or the queue empties
+                        (``clear_demand``), because SGLang does not retry a
+                        refused prefill every round
+    round(...)          after the round's batch is chosen: plan one order, send it
+    before_forward()    start of the forward pass: the worker takes the order
+    after_forward()     end of the pass: acks come back, orders complete
+    urgent(n)           a decode step needs n KV pages in all and they are not
+                        free: evict and apply now, before SGLang retracts requests
+
+When do pages freed by an eviction reach a waiting request?  The order
+planned at the end of round r's scheduling rides along forward pass r (which
+may still read the victims); its pages are free when that pass ends, so the
+request refused in round r is admitted in round r + 1 at the earliest (the
+same round when round r runs no forward pass: the order is applied at once).
+Decode shortfalls cannot wait a round (SGLang would retract requests now):
+between two passes no pass can read a victim, so ``urgent`` applies the
+eviction immediately and the decode step gets the pages in the same round.
+
+Radix cache first, experts second: SGLang counts evictable radix-cache tokens
+as available (``available + evictable``), so a shortfall reaches the adjuster
+only when evicting every unlocked cached prefix would not be enough.  Cached
+prefixes are the cheaper loss (a recomputation on a later hit); an evicted
+expert costs a host copy in every pass that routes to it.  Restores take only
+whole free expert pages, never pages of cached prefixes.
+
+No SGLang import.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+
+from .applier import OrderApplier
+from .link import OrderLink
+from .orders import MigrationOrder, encode
+
+__all__ = ["ElasticController"]
+
+logger = logging.getLogger(__name__)
+
+
+class ElasticController:
+    def __init__(self, adjuster, link: OrderLink, applier: OrderApplier, *,
+                 trace_path: str | None = None, check_invariants: bool = False) -> None:
+        self.adjuster = adjuster
+        self.link = link
+        self.applier = applier
+        self.trace_path = trace_path
+        self.check_invariants = check_invariants
+        #: called after the split changed (the integrator re-syncs SGLang's capacity copies)
+        self.on_change = None
+        self._round = 0
+        self._demand = 0
+        #: pages were freed by evictions since the integrator last looked (it lets
+        #: SGLang retry prefills it gave up on)
+        self.freed = False
+        self._waiting = 0
+        self._n = Counter(orders_completed=0, orders_aborted=0, evictions=0, restores=0,
+                          urgent_orders=0, refused_acks=0)
+        if trace_path:
+            open(trace_path, "w").close()  # one trace per server run
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def note_demand(self, kv_pages: int) -> None:
+        """The scheduler could not admit a request that needs ``kv_pages`` KV pages in all."""
+        self._demand = int(kv_pages)
+
+    def clear_demand(self) -> None:
+        """The refused request got in, or nothing waits any more."""
+        self._demand = 0
+
+    @property
+    def demand(self) -> int:
+        return self._demand
+
+    def round(self, *, forward_follows: bool, waiting: int = 0) -> MigrationOrder | None:
+        """End of a round's scheduling: plan this round's order and send it to the worker.
+
+        ``forward_follows``: a forward pass runs in this round (it applies the
+        order); otherwise the order is applied now.  ``waiting``: requests in
+        SGLang's waiting queue (for the log).
+        """
+        self._waiting = waiting
+        self.settle()  # an order whose pass never ran: no pass is running now
+        order = self._plan(self._demand)
+        if order is not None and not forward_follows:
+            self.settle()
+        return order
+
+    def urgent(self, kv_pages: int, waiting: int = 0) -> bool:
+        """A decode step needs ``kv_pages`` KV pages in all, more than are free: evict
+        now (no pass is running).
+
+        Returns True when pages were freed (the caller re-checks its memory).
+        """
+        self._waiting = waiting
+        self.settle()
+        order = self._plan(int(kv_pages))
+        if order is None:
+            return False
+        self._n["urgent_orders"] += 1
+        freed = self.settle()
+        return any(o.evict for o in freed)
+
+    # ---------------------------------------------------------------- worker side
+
+    def before_forward(self) -> None:
+        self.applier.take_orders()
+
+    def after_forward(self) -> None:
+        self.applier.finish()
+        self._collect()
+
+    def settle(self) -> list[MigrationOrder]:
+        """Apply and complete everything sent (only while no forward pass runs)."""
+        self.applier.take_orders()
+        self.applier.finish()
+        return self._collect()
+
+    # ---------------------------------------------------------------- observability
+
+    def snapshot(self) -> dict:
+        """Counters and the pool's pages by owner, for metrics."""
+        pool = self.adjuster.page_pool.stats()
+        res = self.adjuster.residency
+        return dict(
+            resident_experts=res.num_resident(),
+            offloaded_experts=len(res.shape.layer_ids) * res.shape.num_experts - res.num_resident(),
+            expert_pages=pool.expert_pages,
+            other_expert_pages=pool.other_expert_pages,
+            kv_split_expert_pages=pool.kv_split_expert_pages,
+            free_expert_pages=pool.free_expert_pages,
+            kv_pages_used=pool.kv_pages_used,
+            refused_orders=self.applier.refused,
+            **self._n,
+        )
+
+    # ---------------------------------------------------------------- internals
+
+    def _plan(self, short: int) -> MigrationOrder | None:
+        order = self.adjuster.plan_round(self._round, short)
+        self._round += 1
+        if order is not None:
+            self.link.send_order(encode(order))
+        return order
+
+    def _collect(self) -> list[MigrationOrder]:
+        done = []
+        in_flight = {o.seq: o for o in self.adjuster.in_flight}
+        for ack in self.link.recv_acks():
+            seq = ack.get("seq")
+            order = in_flight.pop(seq, None)
+            if order is None:
+                self._n["refused_acks"] += 1
+                logger.warning("sglang-rimuru: worker refused an order the adjuster did not send "
+                               "(seq=%r): %s", seq, ack.get("error"))
+                continue
+            if ack.get("ok"):
+                self.adjuster.complete(order)
+                self._n["orders_completed"] += 1
+                self._n["evictions"] += len(order.evict)
+                self._n["restores"] += len(order.restore)
+                done.append(order)
+                self._report(order)
+            else:
+                self.adjuster.abort(order)
+                self._n["orders_aborted"] += 1
+                logger.error("sglang-rimuru: worker refused migration order seq=%d: %s; "
+                             "its reserved pages are freed, the split stays", seq, ack.get("error"))
+        if done:
+            if self.check_invariants:
+                self.adjuster.check_invariants()
+            if any(o.evict for o in done):
+                self.freed = True
+            if self.on_change is not None:
+                self.on_change(done)
+        return done
+
+    def _report(self, order: MigrationOrder) -> None:
+        pool = self.adjuster.page_pool.stats()
+        res = self.adjuster.residency
+        total = len(res.shape.layer_ids) * res.shape.num_experts
+        moves = lambda ms: ", ".join(f"L{m.layer}E{m.expert}" for m in ms) or "-"  # noqa: E731
+        logger.info(
+            "sglang-rimuru round %d (order %d, %s): experts out [%s] in [%s]; resident %d/%d; "
+            "pool expert pages: experts %d, load buffers %d, KV %d (%d KV pages used), free %d; "
+            "waiting requests %d",
+            order.round, order.seq, order.reason, moves(order.evict), moves(order.restore),
+            res.num_resident(), total, pool.expert_pages, pool.other_expert_pages,
+            pool.kv_split_expert_pages, pool.kv_pages_used, pool.free_expert_pages, self._waiting)
+        if self.trace_path:
+            line = dict(
+                t=time.time(), round=order.round, seq=order.seq, reason=order.reason,
+                evicted=[[m.layer, m.expert] for m in order.evict],
+                restored=[[m.layer, m.expert] for m in order.restore],
+                resident=res.num_resident(),
+                resident_sets={str(l): res.resident(l) for l in res.shape.layer_ids},
+                pool=dict(expert_pages=pool.expert_pages, load_buffer_pages=pool.other_expert_pages,
+                          kv_split_expert_pages=pool.kv_split_expert_pages,
+                          free_expert_pages=pool.free_expert_pages, kv_pages_used=pool.kv_pages_used,
+                          trapped_kv_pages=pool.trapped_kv_pages),
+                waiting=self._waiting)
+            with open(self.trace_path, "a") as f:
+                f.write(json.dumps(line) + "\n")
