@@ -89,7 +89,7 @@ def test_pool_too_small_for_one_expert_per_layer_and_one_request(tiny_moe):
 
 def test_pool_flags_need_a_pool_mode(tiny_moe):
     proc = run_launcher("--model-path", tiny_moe, "--rimuru-resident-experts", "4")
-    assert_one_line_error(proc, "--rimuru-resident-experts", "need --rimuru-mode static")
+    assert_one_line_error(proc, "--rimuru-resident-experts", "need --rimuru-mode static or elastic")
 
 
 def test_corrupt_ranking_file(tiny_moe, tmp_path):
@@ -97,3 +97,30 @@ def test_corrupt_ranking_file(tiny_moe, tmp_path):
     bad.write_text('{"format": "sglang-rimuru-expert-ranking", "version": 1, "layers": {')
     proc = run_launcher("--model-path", tiny_moe, "--rimuru-mode", "static", "--rimuru-expert-ranking", str(bad))
     assert_one_line_error(proc, str(bad))
+
+
+def test_dense_model_with_elastic_mode(tmp_path):
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(
+        '{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, '
+        '"intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}'
+    )
+    proc = run_launcher("--model-path", str(dense), "--rimuru-mode", "elastic")
+    assert_one_line_error(proc, "--rimuru-mode", "dense model", "Qwen3ForCausalLM")
+
+
+def test_elastic_offload_limit_above_expert_count(tiny_moe):
+    proc = run_launcher("--model-path", tiny_moe, "--rimuru-mode", "elastic", "--rimuru-expert-offload-limit", "12")
+    assert_one_line_error(proc, "--rimuru-expert-offload-limit 12", "above the 8 routed experts")
+
+
+def test_adjuster_flags_need_elastic_mode(tiny_moe):
+    proc = run_launcher("--model-path", tiny_moe, "--rimuru-mode", "static", "--rimuru-adjuster-max-restores", "2")
+    assert_one_line_error(proc, "--rimuru-adjuster-max-restores", "need --rimuru-mode elastic")
+
+
+def test_adjuster_thresholds_that_would_ping_pong(tiny_moe):
+    proc = run_launcher("--model-path", tiny_moe, "--rimuru-mode", "elastic",
+                        "--rimuru-adjuster-evict-low-water", "4", "--rimuru-adjuster-restore-high-water", "6")
+    assert_one_line_error(proc, "--rimuru-adjuster-restore-high-water=6", "must exceed", "ping-pong")

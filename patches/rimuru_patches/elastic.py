@@ -71,6 +71,19 @@ def _after_change(scheduler) -> None:
         scheduler.running_batch.batch_is_full = False
 
 
+def _free_cache_for_restores(scheduler, ctl) -> None:
+    """Quiet period: evict cached prefixes (LRU first) so offloaded experts can come back."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from rimuru_patches.unified_pool.runtime import active
+
+    pages = ctl.pages_wanted_for_restore()
+    cache = scheduler.tree_cache
+    if pages and cache.evictable_size() > 0:
+        cache.evict(EvictParams(num_tokens=pages * active().plan.kv_pages_per_expert_page))
+        sync_capacity(scheduler)
+
+
 def _round(orig, ctx):
     def get_next_batch_to_run(self, *args, **kwargs):
         plan = orig(self, *args, **kwargs)
@@ -82,6 +95,8 @@ def _round(orig, ctx):
             _Metrics.maybe_start(self, ctl)
         if not self.waiting_queue:
             ctl.clear_demand()
+            if plan.batch_to_run is None and plan.running_batch.is_empty():
+                _free_cache_for_restores(self, ctl)
         ctl.round(forward_follows=plan.batch_to_run is not None, waiting=len(self.waiting_queue))
         sync_capacity(self)
         if ctl.freed:  # evictions done in this hook: the next round may admit again

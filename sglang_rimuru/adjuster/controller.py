@@ -28,8 +28,11 @@ Radix cache first, experts second: SGLang counts evictable radix-cache tokens
 as available (``available + evictable``), so a shortfall reaches the adjuster
 only when evicting every unlocked cached prefix would not be enough.  Cached
 prefixes are the cheaper loss (a recomputation on a later hit); an evicted
-expert costs a host copy in every pass that routes to it.  Restores take only
-whole free expert pages, never pages of cached prefixes.
+expert costs a host copy in every pass that routes to it.  For the same
+reason, in a quiet period (nothing running, nothing waiting) cached prefixes
+give way to restores: ``pages_wanted_for_restore`` tells the integrator how
+many expert pages to free from the radix cache.  Under load, restores take
+only whole free expert pages.
 
 No SGLang import.
 """
@@ -113,6 +116,21 @@ class ElasticController:
         self._n["urgent_orders"] += 1
         freed = self.settle()
         return any(o.evict for o in freed)
+
+    def pages_wanted_for_restore(self) -> int:
+        """Expert pages that must come free before the next restore is planned
+        (0 when nothing is offloaded, restoring is off, or an order is in flight).
+
+        For a quiet period: the integrator frees them from the radix cache, because
+        a hot expert is worth more to the next burst than an idle cached prefix.
+        """
+        adj, res = self.adjuster, self.adjuster.residency
+        policy = adj.policy
+        if adj.in_flight or policy.max_restores_per_round == 0 or self._demand:
+            return 0
+        if res.num_resident() == len(res.shape.layer_ids) * res.shape.num_experts:
+            return 0
+        return max(0, policy.restore_high_water + policy.pages_per_expert - adj.page_pool.free_expert_page_count())
 
     # ---------------------------------------------------------------- worker side
 
