@@ -60,6 +60,12 @@ class OrderApplier:
                                         f"worker does not have (layers {shape.layer_ids}, "
                                         f"{shape.num_experts} experts); refused", raw)
                 continue
+            n_pages = self.manager.pool_buffer.geometry.num_expert_pages
+            beyond = sorted({p for m in order.evict + order.restore for p in m.pages if p >= n_pages})
+            if beyond:
+                self._refuse(order.seq, f"migration order seq={order.seq} names expert pages {beyond} "
+                                        f"beyond this worker's pool ({n_pages} expert pages); refused", raw)
+                continue
             self.manager.start_uploads([(m.layer, m.expert, m.pages) for m in order.restore])
             self._pending.append(order)
         return len(self._pending)

@@ -19,6 +19,13 @@ pool, lowest pages first::
     layer 1  7:(18,19,20) 6:(21,22,23) 5:(24,25,26) 4:(27,28,29) 3:(30,31,32) 2:(33,34,35)
     layer 2  0:(36,37,38) 1:(39,40,41) ...                                    5:(51,52,53)
     free     54 ..
+
+``make_worker(rig)`` adds the TP worker's side on top (for the controller
+tests): a CPU ``PoolBuffer``, a ``HostExpertStore`` with seeded random weights,
+the two load buffers (``2 * limit * 3`` pages, taken next: 54..77 with the
+default limit 4) and an ``ExpertManager`` that has copied every resident
+expert into its pages.  With ``make_rig(pages=84)`` the free pages are
+78..83, the same F_b = 6 as ``make_rig(pages=60)`` without a worker.
 """
 
 from __future__ import annotations
@@ -27,8 +34,15 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_rimuru.experts import ExpertRanking, ExpertResidency, MoEShape
-from sglang_rimuru.pool import PoolGeometry, UnifiedPagePool
+from sglang_rimuru.experts import (
+    ExpertManager,
+    ExpertRanking,
+    ExpertResidency,
+    HostExpertStore,
+    LoadBuffers,
+    MoEShape,
+)
+from sglang_rimuru.pool import PoolBuffer, PoolGeometry, UnifiedPagePool
 
 ORDERS = {0: [3, 1, 4, 0, 5, 2, 7, 6], 1: [7, 6, 5, 4, 3, 2, 1, 0], 2: list(range(8))}
 PROBS = {
@@ -60,3 +74,32 @@ def make_rig(pages: int = 60, limit: int = 4, resident: int = 6) -> Rig:
     residency = ExpertResidency(shape, pool, ranking, limit)
     residency.place_initial(resident)
     return Rig(shape, pool, ranking, residency)
+
+
+@dataclass
+class Worker:
+    buffer: PoolBuffer
+    host: HostExpertStore
+    buffers: LoadBuffers
+    manager: ExpertManager
+
+
+def make_worker(rig: Rig, seed: int = 0) -> Worker:
+    shape = rig.shape
+    buffer = PoolBuffer(rig.pool.geometry, "cpu", zero=True)
+    host = HostExpertStore(shape, pin_memory=False)
+    g = torch.Generator().manual_seed(seed)
+    for l in shape.layer_ids:
+        e, i, h = shape.num_experts, shape.inter, shape.hidden
+        host.put_fused(l, torch.randn(e, 2 * i, h, generator=g).to(shape.dtype),
+                       torch.randn(e, h, i, generator=g).to(shape.dtype))
+    buffers = LoadBuffers(shape, rig.pool, rig.residency.offload_limit)
+    manager = ExpertManager(shape, buffer, rig.residency, host, buffers, None, "cpu")
+    manager.upload_resident()
+    return Worker(buffer, host, buffers, manager)
+
+
+def expert_page_holds(rig: Rig, worker: Worker, page: int, layer: int, expert: int, m: int) -> bool:
+    """Pool page ``page`` holds matrix ``m`` (0 W1, 1 W3, 2 W2) of the expert, as in the host store."""
+    view = worker.buffer.expert_page_view(page, (rig.shape.matrix_elems,), rig.shape.dtype)
+    return torch.equal(view, worker.host.matrix(layer, expert, m))

@@ -1,0 +1,237 @@
+"""``OrderLink`` (in-process ZMQ) and ``OrderApplier`` (the worker's side) on the
+rig's real pool, residency and ``ExpertManager`` (see rig.py for the page map:
+``make_rig(pages=84)`` + ``make_worker``: free pages 78..83)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from sglang_rimuru.adjuster import ExpertMove, MigrationOrder, encode
+from sglang_rimuru.adjuster.applier import OrderApplier
+from sglang_rimuru.adjuster.link import OrderLink
+from sglang_rimuru.experts import expert_owners
+
+from .rig import expert_page_holds, make_rig, make_worker
+
+APPLIER_LOG = "sglang_rimuru.adjuster.applier"
+
+
+@pytest.fixture
+def link():
+    made = []
+
+    def new(name: str | None = None) -> OrderLink:
+        made.append(OrderLink(name))
+        return made[-1]
+
+    yield new
+    for lk in made:
+        lk.close()
+
+
+def order(seq: int, evict=(), restore=(), round: int = 5) -> MigrationOrder:
+    return MigrationOrder(version=1, seq=seq, round=round, evict=tuple(evict),
+                          restore=tuple(restore), reason="test")
+
+
+# ---------------------------------------------------------------- the link
+
+
+def test_orders_arrive_in_order_and_empty_recv_is_empty(link) -> None:
+    lk = link()
+    assert lk.recv_orders() == [] and lk.recv_acks() == []
+    msgs = [f"order {i}".encode() for i in range(500)]
+    for m in msgs[:3]:
+        lk.send_order(m)
+    assert lk.recv_orders() == msgs[:3]
+    assert lk.recv_orders() == []
+    for m in msgs[3:]:
+        lk.send_order(m)
+    assert lk.recv_orders() == msgs[3:]
+    assert lk.recv_orders() == [] and lk.recv_acks() == []  # orders never show up as acks
+
+
+def test_acks_round_trip(link) -> None:
+    lk = link()
+    lk.send_ack(7, True)
+    lk.send_ack(None, False, "bad migration order: not UTF-8 JSON")
+    lk.send_ack(8, False, "seq gap")
+    assert lk.recv_acks() == [
+        {"seq": 7, "ok": True},
+        {"seq": None, "ok": False, "error": "bad migration order: not UTF-8 JSON"},
+        {"seq": 8, "ok": False, "error": "seq gap"},
+    ]
+    assert lk.recv_acks() == [] and lk.recv_orders() == []
+
+
+def test_two_links_in_one_process_do_not_cross(link) -> None:
+    a, b = link(), link()
+    named = link("rank-1")
+    assert len({a.orders_address, b.orders_address, named.orders_address,
+                a.acks_address, b.acks_address, named.acks_address}) == 6
+    assert named.orders_address == "inproc://sglang-rimuru-orders-rank-1"
+    a.send_order(b"to a")
+    b.send_order(b"to b 1")
+    b.send_order(b"to b 2")
+    a.send_ack(1, True)
+    named.send_ack(2, False)
+    assert b.recv_orders() == [b"to b 1", b"to b 2"]
+    assert a.recv_orders() == [b"to a"]
+    assert named.recv_orders() == [] and b.recv_acks() == []
+    assert a.recv_acks() == [{"seq": 1, "ok": True}]
+    assert named.recv_acks() == [{"seq": 2, "ok": False}]
+
+
+# ---------------------------------------------------------------- the applier
+
+
+@pytest.fixture
+def worker(link):
+    """(rig, worker, link, applier); the rig's free pages are 78..83."""
+    rig = make_rig(pages=84)
+    w = make_worker(rig)
+    lk = link()
+    return rig, w, lk, OrderApplier(w.manager, lk)
+
+
+def reserve(rig, layer: int, expert: int) -> tuple[int, int, int]:
+    """What the adjuster does at plan time: 3 pages owned by the expert, not resident."""
+    return tuple(rig.pool.alloc_expert_pages(3, expert_owners(layer, expert)))
+
+
+def holds(rig, w, layer, expert, pages) -> bool:
+    return all(expert_page_holds(rig, w, p, layer, expert, m) for m, p in enumerate(pages))
+
+
+def test_valid_order_restores_into_reserved_pages_and_acks_after_finish(worker) -> None:
+    rig, w, lk, ap = worker
+    pages = reserve(rig, 0, 7)
+    assert pages == (78, 79, 80)
+    assert not holds(rig, w, 0, 7, pages)  # zeroed pool
+    victim = ExpertMove(0, 2, rig.residency.pages(0, 2))
+    assert victim.pages == (15, 16, 17)
+    o = order(1, evict=[victim], restore=[ExpertMove(0, 7, pages)])
+    lk.send_order(encode(o))
+
+    assert ap.take_orders() == 1
+    assert ap.pending == (o,)
+    assert lk.recv_acks() == []  # no ack before the pass is over
+    # the worker changes no bookkeeping: the victim is still resident and readable
+    assert rig.residency.is_resident(0, 2) and holds(rig, w, 0, 2, (15, 16, 17))
+    assert w.manager.table(0)[2].tolist() == [15, 16, 17]
+
+    assert ap.finish() == [o]
+    assert holds(rig, w, 0, 7, (78, 79, 80))
+    assert holds(rig, w, 0, 2, (15, 16, 17))  # evicting copies nothing
+    assert lk.recv_acks() == [{"seq": 1, "ok": True}]
+    assert (ap.applied, ap.refused, ap.pending, ap.sequencer.last_seq) == (1, 0, (), 1)
+    assert w.manager.stats().restored == 1 and w.manager.stats().bytes_copied == 3 * 64
+    assert ap.finish() == [] and lk.recv_acks() == []  # nothing pending: nothing sent
+
+
+def test_several_orders_in_one_take(worker) -> None:
+    rig, w, lk, ap = worker
+    a = order(1, restore=[ExpertMove(0, 7, reserve(rig, 0, 7))])
+    b = order(2, restore=[ExpertMove(1, 1, reserve(rig, 1, 1))], round=6)
+    lk.send_order(encode(a))
+    lk.send_order(encode(b))
+    assert ap.take_orders() == 2 and ap.pending == (a, b)
+    assert ap.finish() == [a, b]
+    assert lk.recv_acks() == [{"seq": 1, "ok": True}, {"seq": 2, "ok": True}]
+    assert holds(rig, w, 0, 7, (78, 79, 80)) and holds(rig, w, 1, 1, (81, 82, 83))
+
+
+def _wrong_type(seq: int) -> bytes:
+    m = json.loads(encode(order(seq)))
+    m["type"] = "rimuru.something_else"
+    return json.dumps(m).encode()
+
+
+# (name, bad message given the next expected seq, seq in the ack, does the sequencer move on,
+#  what the error says)
+BAD = [
+    ("garbage", lambda seq: b"\x80\x81 not an order", None, False, "not UTF-8 JSON"),
+    ("wrong_type", _wrong_type, "next", False, "type is 'rimuru.something_else'"),
+    ("duplicate", lambda seq: encode(order(seq - 1)), "prev", False, "repeats or is older"),
+    ("gap", lambda seq: encode(order(seq + 1)), "gap", False, "out of sequence"),
+    ("unknown_layer", lambda seq: encode(order(seq, restore=[ExpertMove(5, 1, (81, 82, 83))])),
+     "next", True, "names experts [(5, 1)] this worker does not have (layers (0, 1, 2), 8 experts)"),
+    ("unknown_expert", lambda seq: encode(order(seq, evict=[ExpertMove(0, 8, (15, 16, 17))])),
+     "next", True, "names experts [(0, 8)] this worker does not have"),
+    ("page_beyond_pool", lambda seq: encode(order(seq, restore=[ExpertMove(0, 7, (82, 83, 84))])),
+     "next", True, "names expert pages [84] beyond this worker's pool (84 expert pages)"),
+]
+
+
+@pytest.mark.parametrize("name,bad,ack_seq,advances,says", BAD, ids=[b[0] for b in BAD])
+def test_bad_order_is_refused_and_serving_continues(worker, caplog, name, bad, ack_seq,
+                                                    advances, says) -> None:
+    rig, w, lk, ap = worker
+    first = order(1, restore=[ExpertMove(0, 7, reserve(rig, 0, 7))])
+    lk.send_order(encode(first))
+    assert ap.take_orders() == 1 and ap.finish() == [first]
+    assert lk.recv_acks() == [{"seq": 1, "ok": True}]
+    before = w.buffer.data.clone()
+
+    raw = bad(2)
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger=APPLIER_LOG):
+        lk.send_order(raw)
+        assert ap.take_orders() == 0
+    assert ap.refused == 1 and ap.pending == ()
+    [rec] = [r for r in caplog.records if r.name == APPLIER_LOG]
+    assert rec.levelno == logging.ERROR
+    msg = rec.getMessage()
+    assert msg.startswith("sglang-rimuru worker: refused a migration order: ")
+    assert says in msg
+    assert msg.endswith(f"; received {raw!r}")
+    [ack] = lk.recv_acks()
+    want_seq = {None: None, "next": 2, "prev": 1, "gap": 3}[ack_seq]
+    assert ack["seq"] == want_seq and ack["ok"] is False and says in ack["error"]
+    assert ap.finish() == [] and lk.recv_acks() == []
+    assert torch.equal(w.buffer.data, before)  # nothing copied anywhere
+    assert ap.sequencer.last_seq == (2 if advances else 1)
+
+    # the next correct order is still accepted (the refused one's seq is spent only
+    # when it passed the sequencer: the scheduler aborts it and numbers on)
+    nxt = 3 if advances else 2
+    good = order(nxt, restore=[ExpertMove(1, 1, reserve(rig, 1, 1))])
+    lk.send_order(encode(good))
+    assert ap.take_orders() == 1 and ap.finish() == [good]
+    assert lk.recv_acks() == [{"seq": nxt, "ok": True}]
+    assert holds(rig, w, 1, 1, (81, 82, 83))
+    assert (ap.applied, ap.refused) == (2, 1)
+
+
+def test_refused_between_good_orders_of_one_take(worker, caplog) -> None:
+    """A bad message between two good ones: both good ones are applied, in order."""
+    rig, w, lk, ap = worker
+    a = order(1, restore=[ExpertMove(0, 7, reserve(rig, 0, 7))])
+    b = order(2, restore=[ExpertMove(1, 1, reserve(rig, 1, 1))])
+    lk.send_order(encode(a))
+    lk.send_order(encode(a))  # a repeat
+    lk.send_order(encode(b))
+    with caplog.at_level(logging.ERROR, logger=APPLIER_LOG):
+        assert ap.take_orders() == 2
+    assert lk.recv_acks() == [{"seq": 1, "ok": False, "error": (
+        "migration order seq=1 (round 5) repeats or is older than the last accepted seq=1; refused")}]
+    assert ap.finish() == [a, b]
+    assert lk.recv_acks() == [{"seq": 1, "ok": True}, {"seq": 2, "ok": True}]
+    assert (ap.applied, ap.refused) == (2, 1)
+    assert holds(rig, w, 0, 7, (78, 79, 80)) and holds(rig, w, 1, 1, (81, 82, 83))
+
+
+def test_long_refused_message_is_quoted_truncated(worker, caplog) -> None:
+    _, _, lk, ap = worker
+    raw = b"\xff" * 1000
+    with caplog.at_level(logging.ERROR, logger=APPLIER_LOG):
+        lk.send_order(raw)
+        ap.take_orders()
+    [rec] = [r for r in caplog.records if r.name == APPLIER_LOG]
+    quoted = repr(b"\xff" * 300 + b"...")
+    assert rec.getMessage().endswith(f"; received {quoted}")
+    assert lk.recv_acks()[0]["seq"] is None
