@@ -27,8 +27,9 @@ SGLang's overlap scheduler): with ``P`` = pages of in-flight victims,
   * the policy sees the pool as it will be once the in-flight orders are
     complete and the waiting KV demand is served:
         short = max(0, R_b - P)
-        free  = F_b + P            if R_b == 0
-                max(0, P - R_b)    if R_b > 0
+        free  = max(0, F_b - D) + P   if R_b == 0   (D: free expert pages the
+                                                    demand will split for KV)
+                max(0, P - R_b)       if R_b > 0
     so one shortfall is not answered twice while its victims are in flight;
   * a restore needs pages free NOW (they are reserved at once): at most
     ``F_b // 3`` restores, and none while R_b > 0 (the KV cache is short now).
@@ -138,17 +139,23 @@ class Adjuster:
             raise ValueError(f"round_no must increase: got {round_no} after {self._last_round}")
         self._last_round = round_no
         pool, ppe = self.page_pool, self.policy.pages_per_expert
-        r_b = pool.missing_expert_pages(kv_pages_needed)
+        stats = pool.stats()
+        r_b = stats.missing_expert_pages(kv_pages_needed)
         f_b = pool.free_expert_page_count()
         p = self._victim_pages
         short = max(0, r_b - p)
-        free = f_b + p if r_b == 0 else max(0, p - r_b)
+        # A standing demand that fits (R_b == 0) will take some of the free expert
+        # pages when its request is admitted: those are not free for restores.
+        taken = 0
+        if r_b == 0 and kv_pages_needed > stats.trapped_kv_pages:
+            taken = -(-(kv_pages_needed - stats.trapped_kv_pages) // stats.min_kv_pages_per_expert_page)
+        free = max(0, f_b - taken) + p if r_b == 0 else max(0, p - r_b)
         decision = self.policy.decide(short, free)
 
         frozen = self._frozen.keys()
         victims = (pick_victims(self.residency, self.ranking, decision.evict, frozen)
                    if decision.evict else [])
-        n_restore = min(decision.restore, f_b // ppe) if r_b == 0 else 0
+        n_restore = min(decision.restore, max(0, f_b - taken) // ppe) if r_b == 0 else 0
         restores = (pick_restores(self.residency, self.ranking, n_restore, frozen)
                     if n_restore else [])
 

