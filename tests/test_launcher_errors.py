@@ -66,14 +66,15 @@ def tiny_moe(tmp_path_factory):
     return str(ensure_model("tiny-qwen3-moe", cache_dir=tmp_path_factory.mktemp("models")))
 
 
-def test_dense_model_with_pool_mode(tmp_path):
+@pytest.mark.parametrize("mode", ["static", "elastic"])
+def test_dense_model_with_pool_mode(tmp_path, mode):
     dense = tmp_path / "dense"
     dense.mkdir()
     (dense / "config.json").write_text(
         '{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, '
         '"intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}'
     )
-    proc = run_launcher("--model-path", str(dense), "--rimuru-mode", "static")
+    proc = run_launcher("--model-path", str(dense), "--rimuru-mode", mode)
     assert_one_line_error(proc, "--rimuru-mode", "dense model", "Qwen3ForCausalLM")
 
 
@@ -97,17 +98,6 @@ def test_corrupt_ranking_file(tiny_moe, tmp_path):
     bad.write_text('{"format": "sglang-rimuru-expert-ranking", "version": 1, "layers": {')
     proc = run_launcher("--model-path", tiny_moe, "--rimuru-mode", "static", "--rimuru-expert-ranking", str(bad))
     assert_one_line_error(proc, str(bad))
-
-
-def test_dense_model_with_elastic_mode(tmp_path):
-    dense = tmp_path / "dense"
-    dense.mkdir()
-    (dense / "config.json").write_text(
-        '{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64, '
-        '"intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}'
-    )
-    proc = run_launcher("--model-path", str(dense), "--rimuru-mode", "elastic")
-    assert_one_line_error(proc, "--rimuru-mode", "dense model", "Qwen3ForCausalLM")
 
 
 def test_elastic_offload_limit_above_expert_count(tiny_moe):
