@@ -8,7 +8,9 @@ Per forward pass, driven by the integrator::
                     ``ok: false`` (the scheduler frees its reserved pages), and
                     serving continues.  Accepted orders start their restore
                     copies straight into the reserved pages (on CUDA: the
-                    prefetch stream, ahead of the pass's predicted loads).
+                    prefetch stream, ahead of the pass's predicted loads; a
+                    restoring expert is not predicted again, and a layer that
+                    routes to it reads the reserved pages once the copy landed).
                     Victims stay in the page tables: this pass may still read them.
     finish()        after the pass: wait for the copies, acknowledge ``ok: true``.
                     The scheduler then completes the order (victims' pages freed,

@@ -15,7 +15,8 @@ State map::
                         resident expert e -> its pages (W1, W3, W2)
                         offloaded e routed in the last prepare_layer(l) -> its load-buffer slot's pages
                         every other row   -> -1
-    _loaded_rows[l]   {expert: slot} of the rows above that point into the load buffer
+    _loaded_rows[l]   {expert: pages} of the rows above that point into the load buffer
+                      (or at a restore's reserved pages, once its copy is ordered)
     _bufs[b]          what buffer b holds *in this forward*: the layer and {expert: slot};
                       forgotten by begin_forward (prefetches live within one forward)
     _offloaded_now[l] the offloaded experts of l (ranking order) as of the last table
@@ -72,6 +73,7 @@ class ExpertStats:
     prefetch_hits: int = 0  # routed offloaded experts found already prefetched
     on_demand_loads: int = 0  # routed offloaded experts copied by prepare_layer (misses)
     restored: int = 0  # experts copied into their own pages by start_uploads (restores)
+    restore_hits: int = 0  # routed experts read from a restore's pages in the pass that copied them
     bytes_copied: int = 0  # host -> device bytes of all those copies
 
     @property
@@ -180,7 +182,7 @@ class ExpertManager:
         #: what compute_cuda passes the paged kernel (set once, e.g. by the SGLang seam)
         self.kernel_hooks = KernelHooks()
         self._n = dict(forwards=0, layers_prepared=0, prefetched=0, prefetch_hits=0,
-                       on_demand_loads=0, restored=0, bytes_copied=0)
+                       on_demand_loads=0, restored=0, restore_hits=0, bytes_copied=0)
 
         self._cuda = self.device.type == "cuda"
         if self._cuda:
@@ -191,6 +193,7 @@ class ExpertManager:
             self._load_ev = [torch.cuda.Event() for _ in range(NUM_LOAD_BUFFERS)]
             self._upload_ev = torch.cuda.Event()
         self._uploads_pending = False
+        self._uploading: dict[int, dict[int, tuple[int, int, int]]] = {}  # layer -> {expert: pages}
         self.refresh_tables()
 
     # ================================================================ forward protocol
@@ -235,7 +238,10 @@ class ExpertManager:
             bad = [i for i in ids if not 0 <= i < e_count]
             raise ValueError(f"layer {layer_id}: topk_ids hold expert ids outside [0, {e_count}): {bad[:8]}")
         routed = set(ids)
-        needed = [e for e in offloaded if e in routed]  # ranking order
+        # A routed expert whose restore copy is under way is read from its reserved
+        # pages (after that copy), not copied a second time into a load buffer.
+        restoring = {e: p for e, p in self._uploading.get(layer_id, {}).items() if e in routed}
+        needed = [e for e in offloaded if e in routed and e not in restoring]  # ranking order
 
         b = pos % NUM_LOAD_BUFFERS
         st = self._bufs[b]
@@ -249,9 +255,14 @@ class ExpertManager:
             self._n["on_demand_loads"] += len(misses)
         self._n["prefetch_hits"] += len(hits)
 
-        self._update_rows(layer_id, b, {e: st.slot_of[e] for e in needed})
+        rows = {e: self.load_buffers.pages(b, st.slot_of[e]) for e in needed}
+        rows.update(restoring)
+        self._update_rows(layer_id, rows)
+        self._n["restore_hits"] += len(restoring)
         if self._cuda:
             compute = torch.cuda.current_stream(self.device)
+            if restoring:
+                compute.wait_event(self._upload_ev)
             if self._pending[b] and any(st.slot_of[e] in self._pending[b] for e in hits):
                 compute.wait_event(self._prefetch_ev[b])
                 self._pending[b].clear()
@@ -280,7 +291,8 @@ class ExpertManager:
         logits = F.linear(hidden_states.to(gate.dtype), gate)
         picked = torch.topk(logits, self.shape.top_k, dim=-1).indices
         counts = torch.bincount(picked.reshape(-1), minlength=self.shape.num_experts).tolist()
-        want = [e for e in offloaded if counts[e] > 0]
+        restoring = self._uploading.get(nxt, {})
+        want = [e for e in offloaded if counts[e] > 0 and e not in restoring]  # deduplicated
         want.sort(key=lambda e: -counts[e])  # stable: ties stay in ranking order
         want = want[: self.load_buffers.slots]
 
@@ -426,15 +438,20 @@ class ExpertManager:
 
         On CUDA the copies go on the prefetch stream, ahead of every prediction the
         forward pass queues after them, and overlap the pass; ``wait_uploads``
-        blocks until they landed.  The tables do not point at these pages until
-        ``ExpertResidency.admit`` and the next refresh, so nothing reads a
-        half-copied expert.  On CPU the copies are done on return.
+        blocks until they landed.  Until ``wait_uploads`` the experts count as
+        "restoring": ``prefetch_next`` does not predict them (deduplicated), and a
+        layer that routes to one points its row at the reserved pages, the compute
+        stream waiting for the copy first; no load-buffer copy is made.  Their
+        table rows become permanent with ``ExpertResidency.admit`` and the next
+        refresh.  On CPU the copies are done on return.
         """
         if not moves:
             return
         for layer, expert, pages in moves:
             self.shape.check_layer(layer)
             self.shape.check_expert(expert)
+        for layer, expert, pages in moves:
+            self._uploading.setdefault(layer, {})[expert] = tuple(int(p) for p in pages)
         if self._cuda:
             self._prefetch_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._prefetch_stream):
@@ -453,6 +470,7 @@ class ExpertManager:
         if self._cuda and self._uploads_pending:
             self._upload_ev.synchronize()
             self._uploads_pending = False
+        self._uploading.clear()
 
     def buffer_content(self, buffer: int) -> BufferContent:
         st = self._bufs[buffer]
@@ -528,8 +546,8 @@ class ExpertManager:
         else:
             self._load_ev[b].record(stream)
 
-    def _update_rows(self, layer: int, b: int, rows: dict[int, int]) -> None:
-        """Point ``rows`` (expert -> slot of buffer b) at their slots; reset stale ones to -1."""
+    def _update_rows(self, layer: int, rows: dict[int, tuple[int, int, int]]) -> None:
+        """Point ``rows`` (expert -> pages) at their pages; reset stale ones to -1."""
         old = self._loaded_rows[layer]
         if old == rows:
             return
@@ -537,9 +555,9 @@ class ExpertManager:
         for e, s in old.items():
             if e not in rows:
                 changes.append((e, -1, -1, -1))
-        for e, s in rows.items():
-            if old.get(e) != s:
-                changes.append((e, *self.load_buffers.pages(b, s)))
+        for e, pages in rows.items():
+            if old.get(e) != pages:
+                changes.append((e, *pages))
         if changes:
             upd = torch.tensor(changes, dtype=torch.int32).to(self.device)
             self._tables[layer][upd[:, 0].long()] = upd[:, 1:]

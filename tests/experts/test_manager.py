@@ -174,3 +174,31 @@ def test_manager_construction_checks() -> None:
     m.begin_forward()
     m.prefetch_next(0, tokens({2: 1}))  # no gates: no prefetch
     assert m.stats().prefetched == 0
+
+
+def test_restore_under_way_is_read_from_its_reserved_pages_not_copied_twice() -> None:
+    # elastic mode: an order restores layer 1 expert 1 during this pass; the prediction
+    # for layer 1 skips it, and routing to it reads its reserved pages (deduplicated)
+    from sglang_rimuru.experts.residency import expert_owners
+
+    rig = make_rig()
+    m = rig.manager
+    pages = tuple(rig.pool.alloc_expert_pages(3, expert_owners(1, 1)))
+    assert pages == (48, 49, 50)
+    m.begin_forward()
+    m.start_uploads([(1, 1, pages)])
+    assert all(page_holds(rig, p, 1, 1, k) for k, p in enumerate(pages))
+    m.prefetch_next(0, tokens({0: 5, 7: 4}, {1: 5, 0: 4}, {1: 5, 6: 4}))  # predicts 1 and 0
+    assert m.buffer_content(1) == BufferContent(1, {0: 0})
+    t1 = m.prepare_layer(1, ids((1, 7), (0, 6)))
+    assert rows(t1) == {**LAYER1, 1: (48, 49, 50), 0: (39, 40, 41)}
+    assert m.stats() == ExpertStats(forwards=1, layers_prepared=1, prefetched=1, prefetch_hits=1,
+                                    restored=1, restore_hits=1, bytes_copied=2 * XB)
+    m.end_forward()
+    m.wait_uploads()
+    # until the scheduler admits it, the next pass treats expert 1 as offloaded again
+    m.begin_forward()
+    assert rows(m.prepare_layer(1, ids((1, 7)))) == {**LAYER1, 1: (39, 40, 41)}
+    rig.residency.admit(1, 1, pages)
+    m.end_forward()
+    assert rows(m.table(1)) == {**LAYER1, 1: (48, 49, 50)}
