@@ -27,6 +27,7 @@ scheduler decides; ``server.py`` turns the overlap scheduler off.
 from __future__ import annotations
 
 import logging
+import time
 
 from rimuru_patches.context import ProcessContext
 from rimuru_patches.seams import Seam, register
@@ -63,6 +64,7 @@ def _after_change(scheduler) -> None:
     """An order completed (after a forward pass, or in the round hook)."""
     sync_capacity(scheduler)
     ctl = _controller()
+    _Metrics.publish(ctl, changed=True)
     if ctl.freed:
         # SGLang stops trying prefills after one is refused for lack of KV
         # (batch_is_full) until a request finishes; pages freed by eviction must
@@ -181,10 +183,17 @@ class _Metrics:
             for k, doc in cls.DOCS.items()
         }
 
+    last = 0.0
+
     @classmethod
-    def publish(cls, ctl) -> None:
+    def publish(cls, ctl, changed: bool = False) -> None:
+        """Set the gauges after a change, else at most once a second (idle rounds spin fast)."""
         if cls.gauges is None:
             return
+        now = time.monotonic()
+        if not changed and now - cls.last < 1.0:
+            return
+        cls.last = now
         from rimuru_patches.unified_pool.runtime import active
 
         values = ctl.snapshot()
