@@ -342,19 +342,10 @@ SGL: dict = {"ok": False}
 
 def write_model_config(d: str) -> str:
     """A config.json-only model dir: all ServerArgs needs (no weights, no tokenizer)."""
-    cfg = {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
-        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
-        "num_experts_per_tok": 8, "num_hidden_layers": 2, "num_attention_heads": 32,
-        "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 40960, "hidden_act": "silu", "norm_topk_prob": True,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False,
-        "rope_theta": 1000000.0, "bos_token_id": 151643, "eos_token_id": 151645, "dtype": "bfloat16",
-        "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
-    }
+    from sglang_rimuru.models.specs import build_config, get_spec
+
     os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    build_config(get_spec("qwen3-30b-a3b")).to_json_file(os.path.join(d, "config.json"))
     return d
 
 

@@ -9,12 +9,13 @@ nvcc for the JIT ``silu_and_mul``).
 """
 
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from sglang_rimuru.models.specs import build_config, get_spec
 
 pytest.importorskip("triton")
 
@@ -36,17 +37,6 @@ SHAPES = {
 }
 TOKENS = [1, 16, 33, 64, 300]
 
-# A config.json-only model: all ServerArgs needs (as bench/kernel/bench_moe_kernels.py does).
-_MODEL_CONFIG = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
-    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
-    "num_experts_per_tok": 8, "num_hidden_layers": 2, "num_attention_heads": 32,
-    "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 40960, "hidden_act": "silu", "norm_topk_prob": True,
-    "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False,
-    "rope_theta": 1000000.0, "bos_token_id": 151643, "eos_token_id": 151645, "dtype": "bfloat16",
-    "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
-}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +47,8 @@ def fused_experts_impl(tmp_path_factory):
     from sglang.srt.server_args import ServerArgs
 
     model = tmp_path_factory.mktemp("qwen3-moe-config")
-    (model / "config.json").write_text(json.dumps(_MODEL_CONFIG))
+    # a config.json-only model: all ServerArgs needs
+    build_config(get_spec("qwen3-30b-a3b")).to_json_file(str(model / "config.json"))
     runtime_context.publish(
         ServerArgs(model_path=str(model), attention_backend="triton", sampling_backend="pytorch",
                    disable_cuda_graph=True, grammar_backend="none"),
