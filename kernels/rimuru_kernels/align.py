@@ -3,7 +3,10 @@
 The output format is SGLang's ``moe_align_block_size``: the GEMM kernel takes
 one M-block of ``sorted_token_ids`` at a time, all of one expert
 (``expert_ids[block]``). Two implementations with the same output exactly:
-torch (reference, CPU and CUDA) and Triton (what the launcher uses).
+torch (reference, CPU and CUDA) and Triton (what the launcher uses). The
+Triton one is a single program for small batches (decode: one launch instead
+of two, since a launch there costs as much as the work) and two launches of one
+program per expert above ``ONE_PROGRAM_MAX_SLOTS`` slots.
 """
 
 from __future__ import annotations
@@ -13,6 +16,11 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+#: Largest ``topk_ids.numel()`` (and expert count) aligned by the one-program
+#: kernel: it sorts all slots in one CTA, which stops paying off past ~1k slots.
+ONE_PROGRAM_MAX_SLOTS = 1024
+ONE_PROGRAM_MAX_EXPERTS = 1024
 
 
 class AlignedTokens(NamedTuple):
@@ -132,14 +140,73 @@ def _align_scatter_kernel(
             tl.store(expert_ids_ptr + b, tl.zeros_like(b) - 1, mask=b < max_blocks)
 
 
-def moe_align_block_size_triton(
-    topk_ids: torch.Tensor, block_size: int, num_experts: int
-) -> AlignedTokens:
-    """``moe_align_block_size`` in two Triton launches, the same output exactly.
+@triton.jit
+def _align_one_program_kernel(
+    ids_ptr,
+    sorted_token_ids_ptr,
+    expert_ids_ptr,
+    num_tokens_post_padded_ptr,
+    n,
+    E,
+    max_padded,
+    max_blocks,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The whole alignment in one program (n <= BLOCK_N slots, E <= BLOCK_E).
 
-    One program per expert scans all slots (E * n loads, fine up to ~10^6
-    slots), so a launch costs a few microseconds in decode instead of ~20 torch
-    ops (the launcher uses this one).
+    Counts by histogram; the slots' places by sorting the keys
+    ``expert * BLOCK_N + slot`` (unique, so the sort keeps flat order within an
+    expert): the i-th sorted slot of expert e goes to
+    ``padded_start[e] + (i - count_start[e])``.
+    """
+    offs = tl.arange(0, BLOCK_N)
+    ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1)
+    # Ids outside [0, E) are not placed anywhere (as in the two-launch kernels).
+    valid = (offs < n) & (ids >= 0) & (ids < E)
+    ids = tl.where(valid, ids, 0)
+    counts = tl.histogram(ids, BLOCK_E, mask=valid)
+    padded = (counts + BLOCK_SIZE_M - 1) // BLOCK_SIZE_M * BLOCK_SIZE_M
+    padded_end = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    shift = (padded_end - padded) - (tl.cumsum(counts, 0) - counts)
+
+    # Padding everywhere first; the barrier orders it before the scatter below.
+    for t0 in range(0, max_padded, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        tl.store(sorted_token_ids_ptr + t, tl.zeros_like(t) + n, mask=t < max_padded)
+    tl.debug_barrier()
+
+    key = tl.sort(tl.where(valid, ids * BLOCK_N + offs, E * BLOCK_N + offs))
+    placed = key < E * BLOCK_N
+    expert = tl.where(placed, key // BLOCK_N, 0)
+    dst = tl.gather(shift, expert, 0) + offs
+    tl.store(sorted_token_ids_ptr + dst, key % BLOCK_N, mask=placed)
+
+    # Block b's expert: how many experts' padded groups end at or before it
+    # (lanes >= E end at `total`, so they never count for a used block).
+    for b0 in range(0, max_blocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        start = b * BLOCK_SIZE_M
+        e_b = tl.sum((padded_end[None, :] <= start[:, None]).to(tl.int32), axis=1)
+        e_b = tl.where(start < total, e_b, -1)
+        tl.store(expert_ids_ptr + b, e_b, mask=b < max_blocks)
+    tl.store(num_tokens_post_padded_ptr, total)
+
+
+def moe_align_block_size_triton(
+    topk_ids: torch.Tensor, block_size: int, num_experts: int,
+    one_program: bool | None = None,
+) -> AlignedTokens:
+    """``moe_align_block_size`` in Triton, the same output exactly.
+
+    one_program: None = one launch up to ``ONE_PROGRAM_MAX_SLOTS`` slots (and
+    ``ONE_PROGRAM_MAX_EXPERTS`` experts), else two launches of one program per
+    expert, each scanning all slots (E * n loads, fine up to ~10^6 slots).
+    Either way a few microseconds in decode instead of ~20 torch ops.
     """
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
@@ -155,6 +222,24 @@ def moe_align_block_size_triton(
     num_post = torch.empty(1, dtype=torch.int32, device=device)
     if num_experts == 0:
         return AlignedTokens(sorted_token_ids, expert_ids, num_post.zero_())
+    if one_program is None:
+        one_program = n <= ONE_PROGRAM_MAX_SLOTS and num_experts <= ONE_PROGRAM_MAX_EXPERTS
+    if one_program:
+        if n > ONE_PROGRAM_MAX_SLOTS or num_experts > ONE_PROGRAM_MAX_EXPERTS:
+            raise ValueError(
+                f"one-program align takes at most {ONE_PROGRAM_MAX_SLOTS} slots and "
+                f"{ONE_PROGRAM_MAX_EXPERTS} experts, got {n} slots, {num_experts} experts")
+        block_e = triton.next_power_of_2(num_experts)
+        _align_one_program_kernel[(1,)](
+            flat, sorted_token_ids, expert_ids, num_post,
+            n, num_experts, max_padded, max_blocks,
+            BLOCK_SIZE_M=block_size,
+            BLOCK_N=max(16, triton.next_power_of_2(n)),
+            BLOCK_E=block_e,
+            BLOCK_B=max(1, 4096 // block_e),
+            BLOCK=1024,
+        )
+        return AlignedTokens(sorted_token_ids, expert_ids, num_post)
     counts = torch.empty(num_experts, dtype=torch.int32, device=device)
     _align_count_kernel[(num_experts,)](flat, counts, n, BLOCK=1024)
     _align_scatter_kernel[(num_experts,)](

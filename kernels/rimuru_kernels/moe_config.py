@@ -5,7 +5,10 @@ TP shard; name: ``torch.cuda.get_device_name()`` with spaces as ``_``) maps a
 token count to a config. The entry whose token count is nearest to the call's
 wins. Looked up first in the folders of ``RIMURU_KERNELS_CONFIG_DIR``
 (os.pathsep-separated), then in ``configs/`` beside this file; a shape with no
-file gets ``configs/default.json``.
+file gets ``configs/default.json``. As in SGLang, an optional
+``..._down.json`` beside it holds the down GEMM's own configs (same token
+keys, same BLOCK_SIZE_M: one token alignment serves both GEMMs); without it the
+down GEMM takes the gate/up config.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ INTERPRETER_CONFIG = {
 }
 
 
-def config_file_name(num_experts: int, inter_size: int, device_name: str) -> str:
-    return f"E={num_experts},N={inter_size},device_name={device_name}.json"
+def config_file_name(num_experts: int, inter_size: int, device_name: str, down: bool = False) -> str:
+    return f"E={num_experts},N={inter_size},device_name={device_name}{'_down' if down else ''}.json"
 
 
 def device_name(device: torch.device) -> str:
@@ -45,18 +48,41 @@ def _search_dirs() -> list[Path]:
     return [Path(d) for d in extra.split(os.pathsep) if d] + [CONFIG_DIR]
 
 
+def _find(name: str) -> Path | None:
+    for d in _search_dirs():
+        if (d / name).is_file():
+            return d / name
+    return None
+
+
+def _read(path: Path) -> dict[int, dict]:
+    with open(path) as f:
+        return {int(k): v for k, v in json.load(f).items()}
+
+
 @functools.lru_cache(maxsize=None)
 def load_configs(num_experts: int, inter_size: int, device_name: str) -> dict[int, dict]:
     """{token count: config} for this shape and device, or the default table."""
-    name = config_file_name(num_experts, inter_size, device_name)
-    for d in _search_dirs():
-        path = d / name
-        if path.is_file():
-            break
-    else:
-        path = CONFIG_DIR / DEFAULT_CONFIG_FILE
-    with open(path) as f:
-        return {int(k): v for k, v in json.load(f).items()}
+    path = _find(config_file_name(num_experts, inter_size, device_name))
+    return _read(path or CONFIG_DIR / DEFAULT_CONFIG_FILE)
+
+
+@functools.lru_cache(maxsize=None)
+def load_down_configs(num_experts: int, inter_size: int, device_name: str) -> dict[int, dict] | None:
+    """The down GEMM's own table, or None (it then takes the gate/up configs).
+
+    Only looked up beside a shape's own table, in the same folder: a down table
+    tuned against another gate/up table could pair different BLOCK_SIZE_Ms.
+    """
+    up = _find(config_file_name(num_experts, inter_size, device_name))
+    if up is None:
+        return None
+    down = up.parent / config_file_name(num_experts, inter_size, device_name, down=True)
+    return _read(down) if down.is_file() else None
+
+
+def _nearest(configs: dict[int, dict], num_tokens: int) -> dict:
+    return dict(configs[min(configs, key=lambda m: abs(m - num_tokens))])
 
 
 def get_paged_moe_config(
@@ -65,5 +91,14 @@ def get_paged_moe_config(
     """The launch config for ``num_tokens`` tokens (nearest tuned token count)."""
     if device.type == "cpu":
         return dict(INTERPRETER_CONFIG)
-    configs = load_configs(num_experts, inter_size, device_name(device))
-    return dict(configs[min(configs, key=lambda m: abs(m - num_tokens))])
+    return _nearest(load_configs(num_experts, inter_size, device_name(device)), num_tokens)
+
+
+def get_paged_moe_down_config(
+    num_experts: int, inter_size: int, num_tokens: int, device: torch.device
+) -> dict | None:
+    """The down GEMM's config for ``num_tokens`` tokens, or None: use the gate/up one."""
+    if device.type == "cpu":
+        return None
+    table = load_down_configs(num_experts, inter_size, device_name(device))
+    return None if table is None else _nearest(table, num_tokens)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .align import moe_align_block_size_triton
-from .moe_config import get_paged_moe_config
+from .moe_config import get_paged_moe_config, get_paged_moe_down_config
 
 # Decided when this module is imported: triton.jit reads TRITON_INTERPRET then.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -325,7 +325,8 @@ def paged_fused_moe(
     (>= I * H; pages may be padded). config: launch config with SGLang's keys
     (BLOCK_SIZE_M/N/K, GROUP_SIZE_M; other keys such as num_warps, num_stages
     go to the launch, absent ones take Triton's defaults); None = from
-    ``configs/``. down_config: the down GEMM's config, None = ``config``; its
+    ``configs/`` (and the down GEMM's from its ``_down`` table there, if any).
+    down_config: the down GEMM's config, None = ``config``; its
     BLOCK_SIZE_M must equal ``config``'s (one alignment serves both GEMMs).
     act_and_mul(x [T*k, 2I], out [T*k, I]): writes SiLU(gate) * up into out;
     None = this module's Triton kernel. combine(intermediate [T, k, H],
@@ -364,6 +365,8 @@ def paged_fused_moe(
         return out.zero_()
     if config is None:
         config = get_paged_moe_config(E, I, T, hidden.device)
+        if down_config is None:
+            down_config = get_paged_moe_down_config(E, I, T, hidden.device)
     up_options = _checked_config("config", config)
     if down_config is None:
         down_config, down_options = config, up_options

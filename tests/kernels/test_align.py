@@ -1,5 +1,7 @@
 """moe_align_block_size on hand-checked inputs and random invariants."""
 
+import functools
+
 import pytest
 import torch
 
@@ -9,10 +11,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array:Deprecati
 from rimuru_kernel_helpers import DEVICE  # noqa: E402
 from rimuru_kernels import moe_align_block_size, moe_align_block_size_triton  # noqa: E402
 
-ALIGNS = [moe_align_block_size, moe_align_block_size_triton]
+ALIGNS = [
+    moe_align_block_size,
+    functools.partial(moe_align_block_size_triton, one_program=True),
+    functools.partial(moe_align_block_size_triton, one_program=False),
+]
 
 
-@pytest.fixture(params=ALIGNS, ids=["torch", "triton"])
+@pytest.fixture(params=ALIGNS, ids=["torch", "triton-one-program", "triton-per-expert"])
 def align_fn(request):
     return request.param
 
@@ -85,6 +91,39 @@ def test_random_invariants(seed, align_fn):
         seen += chunk
     assert sorted(seen) == list(range(n))
     assert experts[: used // block] == sorted(experts[: used // block])
+
+
+@pytest.mark.parametrize("n_tokens,k,E,block", [(1, 8, 128, 16), (4, 8, 128, 16), (64, 8, 128, 16),
+                                                (128, 8, 128, 64), (3, 4, 60, 16), (50, 6, 1000, 32)])
+def test_one_program_matches_reference_at_decode_shapes(n_tokens, k, E, block):
+    # Decode batches of the real shapes (Qwen3-30B-A3B: E=128 top-8; Qwen1.5: E=60 top-4),
+    # up to the one-program limit of 1024 slots, and E near its 1024 limit.
+    g = torch.Generator().manual_seed(n_tokens * 1000 + E)
+    ids = torch.topk(torch.randn(n_tokens, E, generator=g), k).indices.to(torch.int32).to(DEVICE)
+    want = moe_align_block_size(ids, block, E)
+    got = moe_align_block_size_triton(ids, block, E, one_program=True)
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+    # The default picks the one-program kernel up to 1024 slots: same output.
+    for x, y in zip(moe_align_block_size_triton(ids, block, E), want):
+        assert torch.equal(x, y)
+
+
+def test_one_program_skips_ids_outside_the_experts():
+    # Ids -1 and E are placed nowhere, exactly as the per-expert kernels do.
+    ids = torch.tensor([[0, 5], [-1, 1], [1, 0]], dtype=torch.int32, device=DEVICE)
+    one = moe_align_block_size_triton(ids, 2, 5, one_program=True)
+    two = moe_align_block_size_triton(ids, 2, 5, one_program=False)
+    for x, y in zip(one, two):
+        assert torch.equal(x, y)
+    assert one.num_tokens_post_padded.tolist() == [4]
+    assert one.sorted_token_ids.tolist()[:4] == [0, 5, 3, 4]
+
+
+def test_one_program_refuses_more_than_its_limit():
+    ids = torch.zeros(1025, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="at most 1024 slots"):
+        moe_align_block_size_triton(ids, 16, 8, one_program=True)
 
 
 def test_triton_align_more_slots_than_one_scan_step():

@@ -63,3 +63,42 @@ def test_config_dir_override_and_file_name(tmp_path, monkeypatch):
 def test_cpu_gets_the_small_interpreter_config():
     cfg = moe_config.get_paged_moe_config(8, 48, 1000, torch.device("cpu"))
     assert cfg == moe_config.INTERPRETER_CONFIG
+
+
+def test_down_table_beside_the_shapes_table(tmp_path, monkeypatch):
+    up = {"1": dict.fromkeys(KEYS, 1) | {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32},
+          "64": dict.fromkeys(KEYS, 1) | {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 32}}
+    down = {"1": dict.fromkeys(KEYS, 1) | {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128},
+            "64": dict.fromkeys(KEYS, 1) | {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 256}}
+    assert moe_config.config_file_name(128, 768, "Fake_GPU", down=True) == \
+        "E=128,N=768,device_name=Fake_GPU_down.json"
+    (tmp_path / "E=128,N=768,device_name=Fake_GPU.json").write_text(json.dumps(up))
+    (tmp_path / "E=128,N=768,device_name=Fake_GPU_down.json").write_text(json.dumps(down))
+    (tmp_path / "E=60,N=1408,device_name=Fake_GPU.json").write_text(json.dumps(up))
+    monkeypatch.setenv("RIMURU_KERNELS_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(moe_config, "device_name", lambda device: "Fake_GPU")
+    for f in (moe_config.load_configs, moe_config.load_down_configs):
+        f.cache_clear()
+    try:
+        cuda = torch.device("cuda", 0)
+        assert moe_config.get_paged_moe_down_config(128, 768, 3, cuda)["BLOCK_SIZE_N"] == 128
+        assert moe_config.get_paged_moe_down_config(128, 768, 50, cuda)["BLOCK_SIZE_N"] == 256
+        assert moe_config.get_paged_moe_config(128, 768, 50, cuda)["BLOCK_SIZE_N"] == 32
+        # A shape with its own table but no down table: the down GEMM takes the up config.
+        assert moe_config.get_paged_moe_down_config(60, 1408, 3, cuda) is None
+        # A shape on the default table has no down table either.
+        assert moe_config.get_paged_moe_down_config(64, 768, 3, cuda) is None
+        assert moe_config.get_paged_moe_down_config(128, 768, 3, torch.device("cpu")) is None
+    finally:
+        for f in (moe_config.load_configs, moe_config.load_down_configs):
+            f.cache_clear()
+
+
+def test_shipped_down_tables_pair_with_their_up_tables():
+    for path in sorted(moe_config.CONFIG_DIR.glob("*_down.json")):
+        up_path = path.with_name(path.name.replace("_down.json", ".json"))
+        assert up_path.is_file(), path.name
+        up, down = json.loads(up_path.read_text()), json.loads(path.read_text())
+        assert set(up) == set(down), path.name
+        for tokens in up:
+            assert up[tokens]["BLOCK_SIZE_M"] == down[tokens]["BLOCK_SIZE_M"], (path.name, tokens)
