@@ -17,6 +17,12 @@ and ``tune_paged_moe.json`` with every timing. Compilation runs first in
     source bench/device/setup_device.sh
     python3 bench/kernel/tune_paged_moe.py --out-dir $OUT/tuned
 
+The device call does not bring back files whose names hold '=' or ',', so the
+tables are also inside the JSON; write them out here with
+
+    python3 bench/kernel/tune_paged_moe.py --tables-from tune_paged_moe.json \
+        --out-dir kernels/rimuru_kernels/configs
+
 --cpu-smoke checks the plumbing here (tiny shape, Triton interpreter, host clock).
 """
 
@@ -38,6 +44,7 @@ ap.add_argument("--workers", type=int, default=12, help="compile processes (0 = 
 ap.add_argument("--budget-s", type=float, default=400.0, help="stop timing new sizes after this")
 ap.add_argument("--leaders", type=int, default=4, help="configs per GEMM re-timed for the final pick")
 ap.add_argument("--cpu-smoke", action="store_true")
+ap.add_argument("--tables-from", default=None, help="write the config tables of a tune JSON and exit")
 ARGS = ap.parse_args()
 if ARGS.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -260,15 +267,35 @@ def main():
             with open(out_json, "w") as f:
                 json.dump(res, f, indent=1)
         if ups and not ARGS.cpu_smoke:
-            dn = moe_config.device_name(dev)
-            for table, down in ((ups, False), (downs, True)):
-                path = os.path.join(ARGS.out_dir, moe_config.config_file_name(shape["E"], shape["I"], dn, down))
-                with open(path, "w") as f:
-                    json.dump({str(T): table[T] for T in sorted(table)}, f, indent=4)
+            write_tables(ARGS.out_dir, shape, moe_config.device_name(dev), ups, downs)
     res["meta"]["elapsed_s"] = round(time.time() - T0, 1)
     with open(out_json, "w") as f:
         json.dump(res, f, indent=1)
     print_table(res)
+
+
+def write_tables(out_dir, shape, device_name, ups, downs):
+    for table, down in ((ups, False), (downs, True)):
+        path = os.path.join(out_dir, moe_config.config_file_name(shape["E"], shape["I"], device_name, down))
+        with open(path, "w") as f:
+            json.dump({str(T): table[T] for T in sorted(table)}, f, indent=4)
+            f.write("\n")
+        print(f"wrote {path}")
+
+
+def tables_from(path):
+    with open(path) as f:
+        res = json.load(f)
+    device_name = res["meta"]["device"].replace(" ", "_")
+    picks: dict[str, tuple[dict, dict, dict]] = {}
+    for rec in res["sizes"]:
+        if rec.get("pick"):
+            shape = rig.SHAPES[rec["shape"]]
+            ups, downs = picks.setdefault(rec["shape"], (shape, {}, {}))[1:]
+            ups[rec["tokens"]], downs[rec["tokens"]] = rec["pick"]["up"], rec["pick"]["down"]
+    os.makedirs(ARGS.out_dir, exist_ok=True)
+    for shape, ups, downs in picks.values():
+        write_tables(ARGS.out_dir, shape, device_name, ups, downs)
 
 
 def print_table(res):
@@ -290,4 +317,7 @@ def print_table(res):
 
 
 if __name__ == "__main__":
-    main()
+    if ARGS.tables_from:
+        tables_from(ARGS.tables_from)
+    else:
+        main()

@@ -4,9 +4,10 @@ The output format is SGLang's ``moe_align_block_size``: the GEMM kernel takes
 one M-block of ``sorted_token_ids`` at a time, all of one expert
 (``expert_ids[block]``). Two implementations with the same output exactly:
 torch (reference, CPU and CUDA) and Triton (what the launcher uses). The
-Triton one is a single program for small batches (decode: one launch instead
-of two, since a launch there costs as much as the work) and two launches of one
-program per expert above ``ONE_PROGRAM_MAX_SLOTS`` slots.
+Triton one is a single program for small batches (decode: one launch, since a
+launch there costs as much as the work) and, above ``ONE_PROGRAM_MAX_SLOTS``
+slots, three launches parallel over chunks of slots (histogram per chunk,
+offsets, scatter per chunk).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import triton.language as tl
 #: kernel: it sorts all slots in one CTA, which stops paying off past ~1k slots.
 ONE_PROGRAM_MAX_SLOTS = 1024
 ONE_PROGRAM_MAX_EXPERTS = 1024
+#: Slots per program of the chunked (large batch) kernels.
+CHUNK_SLOTS = 1024
 
 
 class AlignedTokens(NamedTuple):
@@ -80,64 +83,68 @@ def moe_align_block_size(
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, counts_ptr, n, BLOCK: tl.constexpr):
-    """counts[e] = number of slots routed to expert e; one program per expert."""
-    e = tl.program_id(axis=0)
-    acc = tl.zeros((BLOCK,), dtype=tl.int32)
-    for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1)
-        acc += (ids == e).to(tl.int32)
-    tl.store(counts_ptr + e, tl.sum(acc, axis=0))
+def _align_chunk_count_kernel(ids_ptr, chunk_counts_ptr, sorted_token_ids_ptr, n, E, max_padded,
+                              fill_per_program, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Program c: the expert histogram of slots [c*CHUNK, (c+1)*CHUNK), and the
+    padding value n written over its share of sorted_token_ids (the scatter
+    launch later overwrites the used entries)."""
+    c = tl.program_id(axis=0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1)
+    valid = (offs < n) & (ids >= 0) & (ids < E)
+    counts = tl.histogram(tl.where(valid, ids, 0), BLOCK_E, mask=valid)
+    tl.store(chunk_counts_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), counts)
+    lo = c * fill_per_program
+    for t0 in range(lo, lo + fill_per_program, CHUNK):
+        t = t0 + tl.arange(0, CHUNK)
+        tl.store(sorted_token_ids_ptr + t, tl.zeros_like(t) + n,
+                 mask=(t < lo + fill_per_program) & (t < max_padded))
 
 
 @triton.jit
-def _align_scatter_kernel(
-    ids_ptr,
-    counts_ptr,
-    sorted_token_ids_ptr,
-    expert_ids_ptr,
-    num_tokens_post_padded_ptr,
-    n,
-    E,
-    max_padded,
-    max_blocks,
-    BLOCK_SIZE_M: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Program e writes expert e's slots (in flat order), their padding and
-    block expert ids; program 0 also writes the total and the unused tail."""
-    e = tl.program_id(axis=0)
+def _align_chunk_offsets_kernel(chunk_counts_ptr, chunk_base_ptr, expert_ids_ptr,
+                                num_tokens_post_padded_ptr, n_chunks, max_blocks,
+                                BLOCK_SIZE_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    """One program: chunk_base[c, e] = where chunk c's slots of expert e start in
+    sorted_token_ids (expert e's padded start + its slots in chunks before c);
+    block expert ids and the padded total."""
     offs_e = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E, other=0)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for c in range(0, n_chunks):
+        counts += tl.load(chunk_counts_ptr + c * BLOCK_E + offs_e)
     padded = (counts + BLOCK_SIZE_M - 1) // BLOCK_SIZE_M * BLOCK_SIZE_M
-    start_e = tl.sum(tl.where(offs_e < e, padded, 0), axis=0)
-    count_e = tl.sum(tl.where(offs_e == e, counts, 0), axis=0)
-    end_e = start_e + tl.sum(tl.where(offs_e == e, padded, 0), axis=0)
+    padded_end = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    # Second pass (no read-back of this program's own stores, so no barrier).
+    running = padded_end - padded
+    for c in range(0, n_chunks):
+        tl.store(chunk_base_ptr + c * BLOCK_E + offs_e, running)
+        running += tl.load(chunk_counts_ptr + c * BLOCK_E + offs_e)
+    for b0 in range(0, max_blocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        start = b * BLOCK_SIZE_M
+        e_b = tl.sum((padded_end[None, :] <= start[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + b, tl.where(start < total, e_b, -1), mask=b < max_blocks)
+    tl.store(num_tokens_post_padded_ptr, total)
 
-    pos = start_e
-    for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        hit = tl.load(ids_ptr + offs, mask=offs < n, other=-1) == e
-        dst = pos + tl.cumsum(hit.to(tl.int32), axis=0) - 1
-        tl.store(sorted_token_ids_ptr + dst, offs, mask=hit)
-        pos += tl.sum(hit.to(tl.int32), axis=0)
-    pad = start_e + count_e + tl.arange(0, BLOCK_SIZE_M)
-    tl.store(sorted_token_ids_ptr + pad, tl.zeros_like(pad) + n, mask=pad < end_e)
-    for b0 in range(start_e // BLOCK_SIZE_M, end_e // BLOCK_SIZE_M, BLOCK):
-        b = b0 + tl.arange(0, BLOCK)
-        tl.store(expert_ids_ptr + b, tl.zeros_like(b) + e, mask=b < end_e // BLOCK_SIZE_M)
 
-    if e == 0:
-        total = tl.sum(padded, axis=0)
-        tl.store(num_tokens_post_padded_ptr, total)
-        for t0 in range(total, max_padded, BLOCK):
-            t = t0 + tl.arange(0, BLOCK)
-            tl.store(sorted_token_ids_ptr + t, tl.zeros_like(t) + n, mask=t < max_padded)
-        for b0 in range(total // BLOCK_SIZE_M, max_blocks, BLOCK):
-            b = b0 + tl.arange(0, BLOCK)
-            tl.store(expert_ids_ptr + b, tl.zeros_like(b) - 1, mask=b < max_blocks)
+@triton.jit
+def _align_chunk_scatter_kernel(ids_ptr, chunk_base_ptr, sorted_token_ids_ptr, n, E,
+                                CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Program c places its slots: the i-th (in flat order) slot of expert e in
+    this chunk goes to chunk_base[c, e] + i (the one-program kernel's sort trick)."""
+    c = tl.program_id(axis=0)
+    offs = tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + c * CHUNK + offs, mask=c * CHUNK + offs < n, other=-1)
+    valid = (c * CHUNK + offs < n) & (ids >= 0) & (ids < E)
+    ids = tl.where(valid, ids, 0)
+    counts = tl.histogram(ids, BLOCK_E, mask=valid)
+    base = tl.load(chunk_base_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E))
+    shift = base - (tl.cumsum(counts, 0) - counts)
+    key = tl.sort(tl.where(valid, ids * CHUNK + offs, E * CHUNK + offs))
+    placed = key < E * CHUNK
+    dst = tl.gather(shift, tl.where(placed, key // CHUNK, 0), 0) + offs
+    tl.store(sorted_token_ids_ptr + dst, c * CHUNK + key % CHUNK, mask=placed)
 
 
 @triton.jit
@@ -204,9 +211,8 @@ def moe_align_block_size_triton(
     """``moe_align_block_size`` in Triton, the same output exactly.
 
     one_program: None = one launch up to ``ONE_PROGRAM_MAX_SLOTS`` slots (and
-    ``ONE_PROGRAM_MAX_EXPERTS`` experts), else two launches of one program per
-    expert, each scanning all slots (E * n loads, fine up to ~10^6 slots).
-    Either way a few microseconds in decode instead of ~20 torch ops.
+    ``ONE_PROGRAM_MAX_EXPERTS`` experts), else the chunked kernels (three
+    launches, each parallel over chunks of ``CHUNK_SLOTS`` slots).
     """
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
@@ -240,13 +246,18 @@ def moe_align_block_size_triton(
             BLOCK=1024,
         )
         return AlignedTokens(sorted_token_ids, expert_ids, num_post)
-    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    _align_count_kernel[(num_experts,)](flat, counts, n, BLOCK=1024)
-    _align_scatter_kernel[(num_experts,)](
-        flat, counts, sorted_token_ids, expert_ids, num_post,
-        n, num_experts, max_padded, max_blocks,
-        BLOCK_SIZE_M=block_size,
-        BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK=1024,
-    )
+    # Chunked: a histogram per chunk of slots, one program for the offsets, a
+    # scatter per chunk; every launch is parallel over the slots.
+    block_e = triton.next_power_of_2(num_experts)
+    n_chunks = max(1, triton.cdiv(n, CHUNK_SLOTS))
+    chunk_counts = torch.empty(n_chunks, block_e, dtype=torch.int32, device=device)
+    chunk_base = torch.empty(n_chunks, block_e, dtype=torch.int32, device=device)
+    _align_chunk_count_kernel[(n_chunks,)](
+        flat, chunk_counts, sorted_token_ids, n, num_experts, max_padded,
+        triton.cdiv(max_padded, n_chunks), CHUNK=CHUNK_SLOTS, BLOCK_E=block_e)
+    _align_chunk_offsets_kernel[(1,)](
+        chunk_counts, chunk_base, expert_ids, num_post, n_chunks, max_blocks,
+        BLOCK_SIZE_M=block_size, BLOCK_E=block_e, BLOCK_B=max(1, 4096 // block_e))
+    _align_chunk_scatter_kernel[(n_chunks,)](
+        flat, chunk_base, sorted_token_ids, n, num_experts, CHUNK=CHUNK_SLOTS, BLOCK_E=block_e)
     return AlignedTokens(sorted_token_ids, expert_ids, num_post)

@@ -18,7 +18,7 @@ ALIGNS = [
 ]
 
 
-@pytest.fixture(params=ALIGNS, ids=["torch", "triton-one-program", "triton-per-expert"])
+@pytest.fixture(params=ALIGNS, ids=["torch", "triton-one-program", "triton-chunked"])
 def align_fn(request):
     return request.param
 
@@ -110,7 +110,7 @@ def test_one_program_matches_reference_at_decode_shapes(n_tokens, k, E, block):
 
 
 def test_one_program_skips_ids_outside_the_experts():
-    # Ids -1 and E are placed nowhere, exactly as the per-expert kernels do.
+    # Ids -1 and E are placed nowhere, exactly as the chunked kernels do.
     ids = torch.tensor([[0, 5], [-1, 1], [1, 0]], dtype=torch.int32, device=DEVICE)
     one = moe_align_block_size_triton(ids, 2, 5, one_program=True)
     two = moe_align_block_size_triton(ids, 2, 5, one_program=False)
@@ -126,8 +126,28 @@ def test_one_program_refuses_more_than_its_limit():
         moe_align_block_size_triton(ids, 16, 8, one_program=True)
 
 
+# The interpreter sorts slowly: the large cases (8 and 12 chunks) run on a GPU only.
+CHUNKED_CASES = [(129, 8, 128, 64), (400, 3, 1500, 16)] + (
+    [(1024, 8, 128, 128), (3000, 4, 60, 64)] if DEVICE.type == "cuda" else [])
+
+
+@pytest.mark.parametrize("n_tokens,k,E,block", CHUNKED_CASES)
+def test_chunked_matches_reference_over_many_chunks(n_tokens, k, E, block):
+    # Several 1024-slot chunks, the last one partial; a skewed expert so one
+    # expert's slots span every chunk; E above the one-program limit.
+    g = torch.Generator().manual_seed(n_tokens + E)
+    logits = torch.randn(n_tokens, E, generator=g)
+    logits[:, 3] += 2.0
+    ids = torch.topk(logits, k).indices.to(torch.int32).to(DEVICE)
+    want = moe_align_block_size(ids, block, E)
+    for got in (moe_align_block_size_triton(ids, block, E, one_program=False),
+                moe_align_block_size_triton(ids, block, E)):
+        for x, y in zip(got, want):
+            assert torch.equal(x, y)
+
+
 def test_triton_align_more_slots_than_one_scan_step():
-    # 1200 slots > the kernel's 1024-wide step; experts 20-23 unrouted.
+    # 1200 slots > one 1024-slot chunk; experts 20-23 unrouted.
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, 20, (400, 3), generator=g, dtype=torch.int32)
     ids[:300, 0] = 17
