@@ -665,6 +665,8 @@ def bench_shape(S, kind, gen):
 
 
 def bench_transfers(S, gen):
+    from sglang_rimuru.experts.copy_runs import page_runs  # the manager's own run splitting
+
     E, H, I = S["E"], S["H"], S["I"]
     nmax = max(XFER_BATCHES)
     page = I * H
@@ -680,6 +682,17 @@ def bench_transfers(S, gen):
             for s in range(3):
                 dst[dst_pages[3 * j + s]].copy_(host[j, s], non_blocking=True)
 
+    # load-buffer slots: expert j on pages 3j, 3j+1, 3j+2 (LoadBuffers on a fresh pool);
+    # copied as ExpertManager._copy_expert does, one copy per run of consecutive pages
+    slot_dst = torch.empty(3 * nmax * page, dtype=DTYPE, device=DEV).view(-1, page)
+    slot_pages = [(3 * j, 3 * j + 1, 3 * j + 2) for j in range(nmax)]
+    slot_runs = [page_runs(p) for p in slot_pages]
+
+    def copy_coalesced(n):
+        for j in range(n):
+            for m, r, p in slot_runs[j]:
+                slot_dst[p: p + r].copy_(host[j, m: m + r], non_blocking=True)
+
     flat_host = host.view(-1)
     flat_dst = torch.empty(nmax * 3 * page, dtype=DTYPE, device=DEV)
 
@@ -688,17 +701,23 @@ def bench_transfers(S, gen):
 
     for n in XFER_BATCHES:
         copy_batch(n)
+        copy_coalesced(n)
         copy_flat(n)
         sync()
         ok = all(torch.equal(dst[dst_pages[3 * j + s]], host[j, s].to(DEV)) for j in range(n) for s in range(3))
-        b = dict(experts=n, copies=3 * n, bytes=3 * n * page * ESIZE, data_ok=ok)
+        ok = ok and all(torch.equal(slot_dst[slot_pages[j][s]], host[j, s].to(DEV))
+                        for j in range(n) for s in range(3))
+        b = dict(experts=n, copies=3 * n, coalesced_copies=sum(len(r) for r in slot_runs[:n]),
+                 bytes=3 * n * page * ESIZE, data_ok=ok)
         if True:  # on CPU: host clock, plumbing only
             tb = sorted(event_ms(lambda: copy_batch(n)) for _ in range(7))[3]
+            tc = sorted(event_ms(lambda: copy_coalesced(n)) for _ in range(7))[3]
             tf = sorted(event_ms(lambda: copy_flat(n)) for _ in range(7))[3]
             b.update(per_expert_pages_us=tb * 1e3, per_expert_pages_gbs=b["bytes"] / (tb * 1e-3) / 1e9,
+                     coalesced_pages_us=tc * 1e3, coalesced_pages_gbs=b["bytes"] / (tc * 1e-3) / 1e9,
                      one_copy_same_bytes_us=tf * 1e3, one_copy_same_bytes_gbs=b["bytes"] / (tf * 1e-3) / 1e9)
         res["batches"].append(b)
-    del host, dst, flat_dst
+    del host, dst, slot_dst, flat_dst
     return res
 
 
@@ -876,15 +895,20 @@ def summarize():
     summ["sglang_ratio_sizes_below_1"] = sum(1 for x in ratios if x < 1.0)
     summ["decode_weight_frac_min"] = min(decode_frac) if decode_frac else None
     summ["decode_weight_frac_mean"] = sum(decode_frac) / len(decode_frac) if decode_frac else None
-    h2d = []
+    h2d, h2d_co = [], []
     ceil = (RESULTS["transfers"].get("pinned_ceiling") or {}).get("1024MiB_gbs")
     for t in RESULTS["transfers"].get("per_shape", []):
         for b in t["batches"]:
             if ceil and "per_expert_pages_gbs" in b:
                 b["frac_of_pinned_ceiling"] = b["per_expert_pages_gbs"] / ceil
                 h2d.append((t["shape"], b["experts"], b["frac_of_pinned_ceiling"]))
+            if ceil and "coalesced_pages_gbs" in b:
+                b["coalesced_frac_of_pinned_ceiling"] = b["coalesced_pages_gbs"] / ceil
+                h2d_co.append((t["shape"], b["experts"], b["coalesced_frac_of_pinned_ceiling"]))
     summ["h2d_frac_min"] = min(h2d, key=lambda x: x[2]) if h2d else None
     summ["h2d_fracs"] = h2d
+    summ["h2d_coalesced_frac_min"] = min(h2d_co, key=lambda x: x[2]) if h2d_co else None
+    summ["h2d_coalesced_fracs"] = h2d_co
 
     def verdict(name, value_str, ok):
         state = "n/a" if ok is None else ("PASS" if ok else "MISS")
@@ -907,9 +931,11 @@ def summarize():
     verdict(f"decode (<= 64 tok) weight read >= 60 % of {NOTES_COPY_GBS:.0f} GB/s (every size)",
             "n/a" if d is None else f"min {d * 100:.1f} %, mean {summ['decode_weight_frac_mean'] * 100:.1f} %",
             None if d is None else d >= 0.6)
-    h = summ["h2d_frac_min"]
-    verdict("H2D expert copies >= 90 % of pinned 1 GiB copy (every batch)",
-            "n/a" if not h else f"min {h[2] * 100:.1f} % ({h[0]}, {h[1]} experts)",
+    h, h3 = summ["h2d_coalesced_frac_min"], summ["h2d_frac_min"]
+    verdict("H2D expert copies >= 90 % of pinned 1 GiB copy (every batch; coalesced copies into "
+            "load-buffer slot pages, as the manager copies)",
+            "n/a" if not h else f"min {h[2] * 100:.1f} % ({h[0]}, {h[1]} experts)"
+            + (f"; 3 copies/expert into scattered pages: min {h3[2] * 100:.1f} %" if h3 else ""),
             None if not h else h[2] >= 0.9)
     summ["targets"] = [dict(target=a, value=b, verdict=c) for a, b, c in verdicts]
 
@@ -934,14 +960,18 @@ def summarize():
                          f"{fmt(s.get('double_us_per_layer'), '{:.1f}')} | {fmt(s.get('single_us_per_layer'), '{:.1f}')} | "
                          f"{fmt(s.get('hidden_frac_of_copy', None) and s['hidden_frac_of_copy'] * 100, '{:.0f} %')} |")
     if RESULTS["transfers"].get("per_shape"):
-        lines += ["", f"## H2D pinned, expert pages (3 copies/expert) vs pinned 1 GiB ceiling "
+        lines += ["", f"## H2D pinned, expert pages (3 copies/expert into scattered pages; coalesced: one copy "
+                      f"per run of consecutive load-buffer slot pages) vs pinned 1 GiB ceiling "
                       f"{fmt(ceil, '{:.1f}')} GB/s", "",
-                  "| shape | experts | GB/s (per page) | GB/s (one copy, same bytes) | of ceiling |", "|---|---|---|---|---|"]
+                  "| shape | experts | GB/s (per page) | GB/s (coalesced) | GB/s (one copy, same bytes) | "
+                  "of ceiling (per page) | of ceiling (coalesced) |", "|---|---|---|---|---|---|---|"]
         for t in RESULTS["transfers"]["per_shape"]:
             for b in t["batches"]:
                 lines.append(f"| {t['shape']} | {b['experts']} | {fmt(b.get('per_expert_pages_gbs'), '{:.1f}')} | "
+                             f"{fmt(b.get('coalesced_pages_gbs'), '{:.1f}')} | "
                              f"{fmt(b.get('one_copy_same_bytes_gbs'), '{:.1f}')} | "
-                             f"{fmt(b.get('frac_of_pinned_ceiling') and b['frac_of_pinned_ceiling'] * 100, '{:.1f} %')} |")
+                             f"{fmt(b.get('frac_of_pinned_ceiling') and b['frac_of_pinned_ceiling'] * 100, '{:.1f} %')} | "
+                             f"{fmt(b.get('coalesced_frac_of_pinned_ceiling') and b['coalesced_frac_of_pinned_ceiling'] * 100, '{:.1f} %')} |")
     lines += ["", "## Targets", "", "| target | measured | verdict |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in verdicts]
     cc = RESULTS["correctness"]
@@ -995,6 +1025,7 @@ def main():
                 RESULTS["transfers"]["per_shape"].append(res)
                 log(f"H2D {name}: " + ", ".join(
                     f"{b['experts']}e {fmt(b.get('per_expert_pages_gbs'), '{:.1f}')} GB/s"
+                    f" (coalesced {fmt(b.get('coalesced_pages_gbs'), '{:.1f}')})"
                     f"{'' if b['data_ok'] else ' DATA WRONG'}" for b in res["batches"]))
         except Exception as exc:
             RESULTS["errors"].append(dict(where="transfers", error=f"{type(exc).__name__}: {exc}",

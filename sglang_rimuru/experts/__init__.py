@@ -6,6 +6,7 @@ Imports torch, the standard library and ``sglang_rimuru.pool`` only (and
 See README.md.
 """
 
+from .copy_runs import page_runs
 from .host_store import HostExpertStore
 from .load_buffers import NUM_LOAD_BUFFERS, LoadBuffers, load_buffer_page_owner
 from .manager import BufferContent, ExpertManager, ExpertNotPreparedError, ExpertStats, KernelHooks
@@ -33,5 +34,6 @@ __all__ = [
     "expert_owners",
     "load_buffer_page_owner",
     "load_ranking",
+    "page_runs",
     "save_ranking",
 ]

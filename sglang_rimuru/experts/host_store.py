@@ -8,7 +8,8 @@ One tensor per MoE layer::
         [e, 2]  W2 (down),              [hidden, inter] row-major
 
 Each ``[e, m]`` row is exactly what one expert page holds (its first
-``matrix_elems`` elements), so a host->device copy is one flat ``copy_`` per page.
+``matrix_elems`` elements), so a host->device copy is one flat ``copy_`` per page,
+or one per run of consecutive pages (``matrices``) when pages hold no padding.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ class HostExpertStore:
     """Host copies of all experts of all MoE layers of one TP rank.
 
     Contract: ``matrix(layer, expert, m)`` is a flat view (no copy) of
-    ``matrix_elems`` elements; writes through ``put``/``put_fused`` are visible
-    in it.  Memory is pinned only when ``pin_memory`` and CUDA is available
-    (``pinned`` tells which); unpinned memory still works, copies are just
-    synchronous and slower.
+    ``matrix_elems`` elements, ``matrices(layer, expert, m, n)`` of ``n`` adjacent
+    ones; writes through ``put``/``put_fused`` are visible in them.  Memory is
+    pinned only when ``pin_memory`` and CUDA is available (``pinned`` tells
+    which); unpinned memory still works, copies are just synchronous and slower.
     """
 
     def __init__(self, shape: MoEShape, pin_memory: bool) -> None:
@@ -53,6 +54,14 @@ class HostExpertStore:
         self.shape.check_expert(expert)
         self.shape.matrix_shape(m)  # validates m
         return self.layer_tensor(layer)[expert, m]
+
+    def matrices(self, layer: int, expert: int, first_m: int, n: int) -> torch.Tensor:
+        """Flat host view (no copy) of matrices ``first_m .. first_m+n-1`` of one
+        expert: ``n * matrix_elems`` elements, adjacent in the layer tensor."""
+        self.shape.check_expert(expert)
+        if isinstance(first_m, bool) or isinstance(n, bool) or not (0 <= first_m < first_m + n <= 3):
+            raise ValueError(f"matrices {first_m!r}..+{n!r} not within 0..2 (W1, W3, W2)")
+        return self.layer_tensor(layer)[expert, first_m: first_m + n].view(-1)
 
     def put(self, layer: int, expert: int, w1: torch.Tensor, w3: torch.Tensor,
             w2: torch.Tensor) -> None:

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from sglang_rimuru.pool import PoolBuffer
 
+from .copy_runs import page_runs
 from .host_store import HostExpertStore
 from .load_buffers import NUM_LOAD_BUFFERS, LoadBuffers
 from .residency import ExpertResidency
@@ -503,6 +504,14 @@ class ExpertManager:
     def _copy_expert(self, layer: int, expert: int, pages: tuple[int, int, int],
                      non_blocking: bool) -> None:
         me = self.shape.matrix_elems
+        if self.page_elems == me:
+            # No padding in a page: matrices on consecutive pages are adjacent on both
+            # sides, so each run is one copy (every transfer pays a DMA set-up cost).
+            for m, n, p in page_runs(pages):
+                start = p * me
+                self.pool_flat[start: start + n * me].copy_(
+                    self.host_store.matrices(layer, expert, m, n), non_blocking=non_blocking)
+            return
         for m, p in enumerate(pages):
             start = p * self.page_elems
             self.pool_flat[start: start + me].copy_(

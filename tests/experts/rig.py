@@ -40,9 +40,11 @@ def ranking_of(shape: MoEShape, orders: dict[int, list[int]]) -> ExpertRanking:
     return ExpertRanking(e, orders, probs)
 
 
-def make_pool(shape: MoEShape, pages: int, kv_page_bytes: int | None = None):
-    geo = PoolGeometry(total_bytes=pages * shape.expert_page_bytes,
-                       expert_page_bytes=shape.expert_page_bytes,
+def make_pool(shape: MoEShape, pages: int, kv_page_bytes: int | None = None,
+              page_bytes: int | None = None):
+    page_bytes = page_bytes or shape.expert_page_bytes
+    geo = PoolGeometry(total_bytes=pages * page_bytes,
+                       expert_page_bytes=page_bytes,
                        kv_page_bytes=kv_page_bytes or shape.expert_page_bytes // 2)
     return geo, UnifiedPagePool(geo)
 
@@ -69,12 +71,12 @@ def identity_gates(shape: MoEShape) -> dict[int, torch.Tensor]:
 
 def make_rig(shape: MoEShape | None = None, *, ranking: ExpertRanking | None = None,
              limit: int = 3, resident: int = 5, gates="identity", pages: int = 64,
-             fragment: bool = False, seed: int = 0) -> Rig:
+             fragment: bool = False, seed: int = 0, page_bytes: int | None = None) -> Rig:
     shape = shape or tiny_shape()
     if ranking is None:
         ranking = ranking_of(shape, ORDERS) if shape.layer_ids == (0, 1) and shape.num_experts == 8 \
             else ExpertRanking.default(shape)
-    geo, pool = make_pool(shape, pages)
+    geo, pool = make_pool(shape, pages, page_bytes=page_bytes)  # larger page: padded
     if fragment:  # scatter the pages: taken pages and KV pages between the experts
         junk = pool.alloc_expert_pages(6, [("junk", i) for i in range(6)])
         pool.free_expert_pages(junk[::2])
