@@ -87,13 +87,19 @@ class Rig:
     # ---- the stages of paged_fused_moe, each callable alone ------------------------------
 
     def align(self, ti, bm, one_program=None):
+        """What paged_fused_moe aligns with: the flat ids (slot blocks) for one token."""
+        if ti.shape[0] == 1 and one_program is None:
+            return ti.reshape(-1).contiguous()
         return moe_align_block_size_triton(ti, bm, self.E, one_program=one_program)
 
-    def gemm_up(self, x, tw, aligned, out, cfg):
+    def gemm_up(self, x, tw, aligned, out, cfg, fuse_silu=True):
+        """fuse_silu (the default path): out [T*k, I] = SiLU(gate) * up; else out [T*k, 2I]."""
         opts = {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
-        _launch_gemm(x, out, self.pool, self.table, tw.view(-1), aligned, N=2 * self.I, K=self.H,
+        _launch_gemm(x, out, self.pool, self.table, tw.view(-1), aligned,
+                     N=self.I if fuse_silu else 2 * self.I, K=self.H,
                      rows_per_page=self.I, slot_base=0, top_k=self.k, mul_routed_weight=False,
-                     page_elems=self.page_elems, config=cfg, options=opts, upcast=False)
+                     page_elems=self.page_elems, config=cfg, options=opts, upcast=False,
+                     fuse_silu=fuse_silu)
 
     def gemm_down(self, act, tw, aligned, out, cfg):
         opts = {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}

@@ -1,10 +1,11 @@
-"""Where the paged MoE's time goes at decode sizes (T <= 64), on the device.
+"""Where the paged MoE's time goes at decode sizes (T <= 64, and 4096), on the device.
 
 Times every stage of ``paged_fused_moe`` alone (a CUDA graph of that stage over
-rotating routing sets): the token alignment (one-program kernel, the two-launch
-per-expert kernels, and SGLang's sgl_kernel align for reference), the gate/up
-GEMM, SiLU*up, the down GEMM and the top-k sum, plus an empty Triton kernel (the
-floor of one launch in a graph) and the whole call. Then a torch.profiler trace
+rotating routing sets): the token alignment (one-program kernel, the chunked
+kernels, and SGLang's sgl_kernel align for reference), the gate/up GEMM with its
+fused SiLU*up (and, for reference, unfused plus the separate SiLU kernel), the
+down GEMM and the top-k sum (Triton, and torch.sum for reference), plus an empty
+Triton kernel (the floor of one launch in a graph) and the whole call. Then a torch.profiler trace
 of the whole call's graph gives each kernel's own device time, so
 ``whole - sum(kernel times)`` is what the launches between kernels cost.
 
@@ -24,7 +25,7 @@ import traceback
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--out", default="profile_decode.json")
 ap.add_argument("--shapes", nargs="*", default=None)
-ap.add_argument("--tokens", type=int, nargs="*", default=[1, 4, 16, 64])
+ap.add_argument("--tokens", type=int, nargs="*", default=[1, 4, 16, 64, 4096])
 ap.add_argument("--cpu-smoke", action="store_true", help="plumbing only: tiny shape, interpreter, host clock")
 ARGS = ap.parse_args()
 if ARGS.cpu_smoke:
@@ -38,6 +39,7 @@ import triton.language as tl  # noqa: E402
 import paged_rig as rig  # noqa: E402
 from rimuru_kernels import get_paged_moe_config, paged_fused_moe  # noqa: E402
 from rimuru_kernels.moe_config import get_paged_moe_down_config  # noqa: E402
+from rimuru_kernels.paged_moe import _sum_top_k  # noqa: E402
 
 
 @triton.jit
@@ -92,6 +94,7 @@ def profile_shape(r, T, res, sgl_align):
     bm = cfg["BLOCK_SIZE_M"]
     al = [r.align(s[2], bm) for s in sets]
     gate_up = [torch.empty(T * r.k, 2 * r.I, dtype=r.dtype, device=dev) for _ in sets]
+    al_unfused = [r.align(s[2], bm, one_program=True) for s in sets]
     act = [torch.empty(T * r.k, r.I, dtype=r.dtype, device=dev) for _ in sets]
     down = [torch.empty(T * r.k, r.H, dtype=r.dtype, device=dev) for _ in sets]
     out = [torch.empty(T, r.H, dtype=r.dtype, device=dev) for _ in sets]
@@ -99,11 +102,14 @@ def profile_shape(r, T, res, sgl_align):
     stages = {
         "empty_launch": lambda: [_empty_kernel[(1,)](flag) for _ in sets],
         "align_one_program": lambda: [r.align(s[2], bm, one_program=True) for s in sets],
-        "align_per_expert": lambda: [r.align(s[2], bm, one_program=False) for s in sets],
-        "gemm_up": lambda: [r.gemm_up(s[0], s[1], a, o, cfg) for s, a, o in zip(sets, al, gate_up)],
+        "align_chunked": lambda: [r.align(s[2], bm, one_program=False) for s in sets],
+        "gemm_up_silu": lambda: [r.gemm_up(s[0], s[1], a, o, cfg) for s, a, o in zip(sets, al, act)],
+        "gemm_up": lambda: [r.gemm_up(s[0], s[1], a, o, cfg, fuse_silu=False)
+                            for s, a, o in zip(sets, al_unfused, gate_up)],
         "silu_and_mul": lambda: [r.silu(g, a) for g, a in zip(gate_up, act)],
         "gemm_down": lambda: [r.gemm_down(a, s[1], x, o, dcfg) for s, x, a, o in zip(sets, al, act, down)],
-        "topk_sum": lambda: [torch.sum(d.view(T, r.k, r.H), dim=1, out=o) for d, o in zip(down, out)],
+        "topk_sum": lambda: [_sum_top_k(d.view(T, r.k, r.H), o) for d, o in zip(down, out)],
+        "topk_sum_torch": lambda: [torch.sum(d.view(T, r.k, r.H), dim=1, out=o) for d, o in zip(down, out)],
         "whole_call": lambda: [paged_fused_moe(s[0], r.pool, r.table, s[1], s[2], inter_size=r.I,
                                                page_elems=r.page_elems, out=o, validate=False)
                                for s, o in zip(sets, out)],
@@ -120,12 +126,13 @@ def profile_shape(r, T, res, sgl_align):
     us = rec["us"]
     mat_bytes = r.I * r.H * 2
     n_e = rec["distinct_experts_mean"]
-    if "gemm_up" in us and "gemm_down" in us:
-        rec["gemm_up_gbs"] = round(n_e * 2 * mat_bytes / (us["gemm_up"] * 1e-6) / 1e9, 1)
+    if "gemm_up_silu" in us and "gemm_down" in us:
+        rec["gemm_up_silu_gbs"] = round(n_e * 2 * mat_bytes / (us["gemm_up_silu"] * 1e-6) / 1e9, 1)
         rec["gemm_down_gbs"] = round(n_e * mat_bytes / (us["gemm_down"] * 1e-6) / 1e9, 1)
-        rec["gemms_gbs"] = round(n_e * 3 * mat_bytes / ((us["gemm_up"] + us["gemm_down"]) * 1e-6) / 1e9, 1)
-        parts = ["align_one_program" if T * r.k <= 1024 else "align_per_expert",
-                 "gemm_up", "silu_and_mul", "gemm_down", "topk_sum"]
+        rec["gemms_gbs"] = round(n_e * 3 * mat_bytes / ((us["gemm_up_silu"] + us["gemm_down"]) * 1e-6) / 1e9, 1)
+        # What paged_fused_moe launches: no align at T == 1 (slot blocks), one program up to 1024 slots.
+        align = [] if T == 1 else ["align_one_program" if T * r.k <= 1024 else "align_chunked"]
+        parts = align + ["gemm_up_silu", "gemm_down", "topk_sum"]
         rec["sum_of_stages_us"] = round(sum(us[p] for p in parts if p in us), 3)
     if "whole_call" in us and not ARGS.cpu_smoke:
         rec["whole_call_gbs"] = round(n_e * 3 * mat_bytes / (us["whole_call"] * 1e-6) / 1e9, 1)
@@ -165,8 +172,8 @@ def main():
     res["meta"]["elapsed_s"] = round(time.time() - t0, 1)
     with open(ARGS.out, "w") as f:
         json.dump(res, f, indent=1)
-    cols = ["empty_launch", "align_one_program", "align_per_expert", "align_sglang", "gemm_up", "silu_and_mul",
-            "gemm_down", "topk_sum", "whole_call"]
+    cols = ["empty_launch", "align_one_program", "align_chunked", "align_sglang", "gemm_up_silu", "gemm_up",
+            "silu_and_mul", "gemm_down", "topk_sum", "topk_sum_torch", "whole_call"]
     print("\n| shape | T | " + " | ".join(cols) + " | stages sum | kernels (profiler) | GEMMs GB/s | whole GB/s |")
     print("|---" * (len(cols) + 6) + "|")
     for rec in res["sizes"]:

@@ -1,7 +1,8 @@
 """Tune the paged MoE kernel's launch configs per shape and token count (one device call).
 
 For each shape (Qwen3-30B-A3B, Qwen1.5-MoE-A2.7B) and token count it times the
-gate/up GEMM and the down GEMM *separately*, each over a candidate grid, on a
+gate/up GEMM (with its fused SiLU*up epilogue: the default path) and the down
+GEMM *separately*, each over a candidate grid, on a
 scattered pool with uniform routing rotated over several input sets (CUDA-graph
 replays, median). For every BLOCK_SIZE_M it keeps the best gate/up and the best
 down config, re-times the leaders, and picks the BLOCK_SIZE_M with the smallest
@@ -112,7 +113,7 @@ def _compile_jobs(jobs):
             x, tw, ti, act_in = r.inputs(T, 1)[0]
             al = r.align(ti, c["BLOCK_SIZE_M"])
             if which == "up":
-                r.gemm_up(x, tw, al, torch.empty(T * r.k, 2 * r.I, dtype=r.dtype, device=dev), c)
+                r.gemm_up(x, tw, al, torch.empty(T * r.k, r.I, dtype=r.dtype, device=dev), c)
             else:
                 r.gemm_down(act_in, tw, al, torch.empty(T * r.k, r.H, dtype=r.dtype, device=dev), c)
             if not ARGS.cpu_smoke:
@@ -162,7 +163,7 @@ def tune_size(r, T, rec):
     sets = r.inputs(T, 1 if ARGS.cpu_smoke else rig.input_sets(T))
     rec["distinct_experts_mean"] = r.distinct_experts(sets)
     aligned = {}
-    outs_up = [torch.empty(T * r.k, 2 * r.I, dtype=r.dtype, device=dev) for _ in sets]
+    outs_up = [torch.empty(T * r.k, r.I, dtype=r.dtype, device=dev) for _ in sets]
     outs_dn = [torch.empty(T * r.k, r.H, dtype=r.dtype, device=dev) for _ in sets]
 
     def run(which, c):

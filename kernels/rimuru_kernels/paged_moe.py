@@ -22,6 +22,19 @@ expert's page-table row (SLOT_BASE 0, rows_per_page I for gate/up; SLOT_BASE 2,
 rows_per_page H for down). The lookup is done once per output tile for its
 column vector; inside a page the K loop strides as SGLang's fused_moe_kernel
 does over a contiguous [E, N, K] tensor.
+
+Two launch-saving modes (decode is launch-bound: a launch costs about what a
+small kernel's work does):
+
+* ``FUSE_SILU`` (default when no ``act_and_mul`` is given): the gate/up GEMM
+  tiles N = I columns and reads the gate and the up row of each column, two
+  accumulators; its epilogue writes SiLU(gate) * up, rounding gate and up to
+  the output dtype first, as the separate SiLU kernel sees them (the same
+  numerics up to the fp32 summation order of the differently shaped dots).
+* ``SLOT_BLOCKS`` (one token): the k routed experts of one token are distinct,
+  so M-block j is token slot j alone and the expert is ``topk_ids[j]``; no
+  alignment kernel runs. Each row's dot products are the same as with the
+  alignment, so the output is too.
 """
 
 from __future__ import annotations
@@ -71,6 +84,7 @@ def _paged_moe_gemm_kernel(
     K,
     EM,
     num_valid_tokens,
+    num_experts,
     rows_per_page,
     page_elems,
     stride_am,
@@ -82,6 +96,8 @@ def _paged_moe_gemm_kernel(
     EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLOT_BLOCKS: tl.constexpr,
+    FUSE_SILU: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -102,14 +118,21 @@ def _paged_moe_gemm_kernel(
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
 
-    num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
-    if pid_m * BLOCK_SIZE_M >= num_tokens_post_padded:
-        return
-
-    offs_tok_id = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M).to(tl.int64)
-    tok = tl.load(sorted_token_ids_ptr + offs_tok_id).to(tl.int64)
+    if SLOT_BLOCKS:
+        # expert_ids_ptr holds the flat topk_ids: block pid_m is token slot pid_m alone.
+        offs_m = tl.arange(0, BLOCK_SIZE_M)
+        tok = tl.where(offs_m == 0, pid_m, num_valid_tokens).to(tl.int64)
+    else:
+        num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
+        if pid_m * BLOCK_SIZE_M >= num_tokens_post_padded:
+            return
+        offs_tok_id = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M).to(tl.int64)
+        tok = tl.load(sorted_token_ids_ptr + offs_tok_id).to(tl.int64)
     tok_mask = tok < num_valid_tokens
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    # An id outside [0, E) (only possible in slot mode) reads no page.
+    expert_ok = (expert >= 0) & (expert < num_experts)
+    expert = tl.where(expert_ok, expert, 0)
 
     # Page lookup, once per tile: which page and row each output column reads.
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
@@ -118,33 +141,54 @@ def _paged_moe_gemm_kernel(
     slot = SLOT_BASE + n // rows_per_page
     row = (n % rows_per_page).to(tl.int64)
     page = tl.load(page_table_ptr + expert * stride_pt + slot).to(tl.int64)
-    page_ok = page >= 0
+    page_ok = (page >= 0) & expert_ok
     # A page of -1 reads page 0 (in bounds) and its columns are zeroed below.
     col_base = tl.where(page_ok, page, 0) * page_elems + row * K
 
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     a_ptrs = a_ptr + (tok // TOP_K)[:, None] * stride_am + offs_k[None, :]
     b_ptrs = pool_ptr + col_base[None, :] + offs_k[:, None]
-
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    if FUSE_SILU:
+        # N = I: column n is gate row n (slot SLOT_BASE) and up row n (the next slot).
+        page_up = tl.load(page_table_ptr + expert * stride_pt + slot + 1).to(tl.int64)
+        page_up_ok = (page_up >= 0) & expert_ok
+        b_up_ptrs = pool_ptr + (tl.where(page_up_ok, page_up, 0) * page_elems + row * K)[None, :] \
+            + offs_k[:, None]
+        acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+
     for k0 in range(0, K, BLOCK_SIZE_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=tok_mask[:, None], other=0.0)
             b = tl.load(b_ptrs)
+            if FUSE_SILU:
+                b_up = tl.load(b_up_ptrs)
         else:
             k_mask = offs_k < K - k0
             a = tl.load(a_ptrs, mask=tok_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+            if FUSE_SILU:
+                b_up = tl.load(b_up_ptrs, mask=k_mask[:, None], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
+            if FUSE_SILU:
+                b_up = b_up.to(tl.float32)
         # Written as SGLang's fused_moe_kernel writes it (acc += dot), so that
         # with the same tiles the two compile to the same fp32 accumulation.
         acc += tl.dot(a, b, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_SIZE_K
         b_ptrs += BLOCK_SIZE_K
+        if FUSE_SILU:
+            acc_up += tl.dot(a, b_up, input_precision=DOT_PRECISION)
+            b_up_ptrs += BLOCK_SIZE_K
 
     acc = tl.where(page_ok[None, :], acc, 0.0)
+    if FUSE_SILU:
+        # Gate and up rounded as the unfused path stores them, then _silu_and_mul_kernel's math.
+        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        up = tl.where(page_up_ok[None, :], acc_up, 0.0).to(c_ptr.dtype.element_ty).to(tl.float32)
+        acc = gate * tl.sigmoid(gate) * up
     if MUL_ROUTED_WEIGHT:
         # fp32 accumulator times the routing weight, then one rounding to the
         # output dtype: SGLang's order (bias-free, unquantized).
@@ -169,6 +213,18 @@ def _silu_and_mul_kernel(x_ptr, y_ptr, I, stride_x, stride_y, BLOCK: tl.constexp
     up = tl.load(x_ptr + r * stride_x + I + offs, mask=mask, other=0.0).to(tl.float32)
     y = gate * tl.sigmoid(gate) * up
     tl.store(y_ptr + r * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_top_k_kernel(x_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, :] = sum_j x[t, j, :] (x contiguous [T, TOP_K, H]), fp32, j in order."""
+    t = tl.program_id(axis=0).to(tl.int64)
+    offs = tl.program_id(axis=1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(x_ptr + (t * TOP_K + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------
@@ -257,17 +313,26 @@ def _checked_config(name: str, config: dict) -> dict:
 
 
 def _launch_gemm(a, c, pool, page_table, topk_weights, aligned, *, N, K, rows_per_page,
-                 slot_base, top_k, mul_routed_weight, page_elems, config, options, upcast):
+                 slot_base, top_k, mul_routed_weight, page_elems, config, options, upcast,
+                 fuse_silu=False):
     """One GEMM. ``options``: the config's other keys (num_warps, num_stages, ...),
-    passed to the launch as SGLang passes ``**config``; absent ones are Triton's defaults."""
-    em = aligned.sorted_token_ids.numel()
+    passed to the launch as SGLang passes ``**config``; absent ones are Triton's defaults.
+    ``aligned``: an ``AlignedTokens``, or the flat topk_ids for slot blocks (one token).
+    ``fuse_silu``: gate/up GEMM writing SiLU(gate) * up; N is then I."""
     bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
+    slot_blocks = isinstance(aligned, torch.Tensor)
+    if slot_blocks:
+        em = aligned.numel() * bm  # one M-block per slot
+        sorted_ids = expert_ids = num_post = aligned
+    else:
+        em = aligned.sorted_token_ids.numel()
+        sorted_ids, expert_ids, num_post = aligned
     grid = (triton.cdiv(em, bm) * triton.cdiv(N, bn),)
     fp32_dot = upcast or a.dtype == torch.float32
     _paged_moe_gemm_kernel[grid](
         a, pool, c, page_table, topk_weights,
-        aligned.sorted_token_ids, aligned.expert_ids, aligned.num_tokens_post_padded,
-        N, K, em, c.shape[0],
+        sorted_ids, expert_ids, num_post,
+        N, K, em, c.shape[0], page_table.shape[0],
         rows_per_page, page_elems,
         a.stride(0), c.stride(0), page_table.stride(0),
         SLOT_BASE=slot_base,
@@ -276,6 +341,8 @@ def _launch_gemm(a, c, pool, page_table, topk_weights, aligned, *, N, K, rows_pe
         EVEN_K=K % bk == 0,
         UPCAST=upcast,
         DOT_PRECISION="ieee" if fp32_dot else "tf32",
+        SLOT_BLOCKS=slot_blocks,
+        FUSE_SILU=fuse_silu,
         BLOCK_SIZE_M=bm,
         BLOCK_SIZE_N=bn,
         BLOCK_SIZE_K=bk,
@@ -294,8 +361,11 @@ def _silu_and_mul(x: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _sum_top_k(intermediate: torch.Tensor, out: torch.Tensor) -> None:
-    """The default ``combine``: a plain sum over the top-k axis."""
-    torch.sum(intermediate, dim=1, out=out)
+    """The default ``combine``: the sum over the top-k axis, in fp32, in slot order
+    (one Triton launch; torch's reduction costs about twice as long in decode)."""
+    T, k, H = intermediate.shape
+    block = min(triton.next_power_of_2(H), 1024)
+    _sum_top_k_kernel[(T, triton.cdiv(H, block))](intermediate, out, H, TOP_K=k, BLOCK=block)
 
 
 def paged_fused_moe(
@@ -329,9 +399,9 @@ def paged_fused_moe(
     down_config: the down GEMM's config, None = ``config``; its
     BLOCK_SIZE_M must equal ``config``'s (one alignment serves both GEMMs).
     act_and_mul(x [T*k, 2I], out [T*k, I]): writes SiLU(gate) * up into out;
-    None = this module's Triton kernel. combine(intermediate [T, k, H],
-    out [T, H]): writes the top-k reduction of the down GEMM's output (already
-    multiplied by the routing weights) into out; None = ``torch.sum`` over k.
+    None = fused into the gate/up GEMM (this module's SiLU kernel's math). combine(intermediate [T, k, H], out [T, H]): writes
+    the top-k reduction of the down GEMM's output (already multiplied by the
+    routing weights) into out; None = an fp32 sum over k (one Triton launch).
     The three let a caller reproduce another fused MoE's arithmetic exactly
     (``rimuru_patches`` passes SGLang's). out: optional [T, H] output
     (hidden's dtype). validate: host
@@ -340,8 +410,9 @@ def paged_fused_moe(
     routed expert with page -1 contributes zero. upcast: feed fp32 to tl.dot
     (None = only for bf16 under the Triton interpreter, whose bf16 dot is wrong).
 
-    GEMMs accumulate in fp32; the gate/up output and SiLU*up are stored in
-    hidden's dtype, like SGLang's fused MoE.
+    GEMMs accumulate in fp32; the gate/up output (rounded even when fused) and
+    SiLU*up are stored in hidden's dtype, like SGLang's fused MoE. One token
+    (T == 1) skips the alignment kernel (slot blocks, same output).
     """
     _check_inputs(hidden, pool, page_table, topk_weights, topk_ids, inter_size, page_elems, out)
     T, H = hidden.shape
@@ -379,19 +450,27 @@ def paged_fused_moe(
                 "padded to config's BLOCK_SIZE_M"
             )
 
-    aligned = moe_align_block_size_triton(topk_ids, config["BLOCK_SIZE_M"], E)
+    if T == 1:  # one token's k experts are distinct: one M-block per slot, no alignment
+        aligned = topk_ids.reshape(-1).contiguous()
+    else:
+        aligned = moe_align_block_size_triton(topk_ids, config["BLOCK_SIZE_M"], E)
     page_table = page_table.contiguous()
     topk_weights = topk_weights.contiguous().view(-1)
     rows = T * top_k
 
-    gate_up = torch.empty(rows, 2 * I, dtype=hidden.dtype, device=hidden.device)
-    _launch_gemm(hidden, gate_up, pool, page_table, topk_weights, aligned,
-                 N=2 * I, K=H, rows_per_page=I, slot_base=0, top_k=top_k,
-                 mul_routed_weight=False, page_elems=page_elems, config=config,
-                 options=up_options, upcast=upcast)
-
     act = torch.empty(rows, I, dtype=hidden.dtype, device=hidden.device)
-    (act_and_mul or _silu_and_mul)(gate_up, act)
+    if act_and_mul is None:  # SiLU*up in the gate/up GEMM's epilogue
+        _launch_gemm(hidden, act, pool, page_table, topk_weights, aligned,
+                     N=I, K=H, rows_per_page=I, slot_base=0, top_k=top_k,
+                     mul_routed_weight=False, page_elems=page_elems, config=config,
+                     options=up_options, upcast=upcast, fuse_silu=True)
+    else:
+        gate_up = torch.empty(rows, 2 * I, dtype=hidden.dtype, device=hidden.device)
+        _launch_gemm(hidden, gate_up, pool, page_table, topk_weights, aligned,
+                     N=2 * I, K=H, rows_per_page=I, slot_base=0, top_k=top_k,
+                     mul_routed_weight=False, page_elems=page_elems, config=config,
+                     options=up_options, upcast=upcast)
+        act_and_mul(gate_up, act)
 
     down = torch.empty(rows, H, dtype=hidden.dtype, device=hidden.device)
     _launch_gemm(act, down, pool, page_table, topk_weights, aligned,

@@ -47,7 +47,8 @@ def test_down_config_reaches_the_down_gemm_only(launches):
     p = make_problem(9, I=48, seed=40)
     out = call(p, config=UP, down_config=DOWN)
     H, I = p.hidden.shape[1], p.inter_size
-    assert [(n, k) for n, k, _, _ in launches] == [(2 * I, H), (H, I)]
+    # Without act_and_mul the gate/up GEMM is fused with SiLU*up: N = I.
+    assert [(n, k) for n, k, _, _ in launches] == [(I, H), (H, I)]
     (_, _, up_cfg, up_opts), (_, _, down_cfg, down_opts) = launches
     assert up_cfg == UP and down_cfg == DOWN
     assert up_opts == {"num_warps": 4, "num_stages": 1}
@@ -111,14 +112,17 @@ def test_hooks_get_the_intermediates_and_their_writes_are_the_output(dtype):
 
 
 def test_hooks_equal_to_the_defaults_change_nothing():
-    # The default path is the explicit one: the shipped config for both GEMMs,
-    # the module's SiLU*up kernel, torch.sum over top-k.
+    # The default path computes what the explicit one does: the shipped config
+    # for both GEMMs, the module's SiLU*up kernel (fused into the gate/up GEMM
+    # by default, unfused with the hook), its top-k sum.
     p = make_problem(33, k=4, seed=46)
     cfg = get_paged_moe_config(p.page_table.shape[0], p.inter_size, 33, p.hidden.device)
     default = call(p)
     explicit = call(p, config=cfg, down_config=dict(cfg), act_and_mul=pm._silu_and_mul,
                     combine=pm._sum_top_k)
-    assert torch.equal(default, explicit)
+    # Fused, the gate/up GEMM tiles I columns instead of 2I: the same products,
+    # summed by differently shaped dots, so equal up to fp32 rounding.
+    assert rel_err(default, explicit) < 1e-6
     assert rel_err(default, reference(p)) < 1e-5
 
 
@@ -129,3 +133,72 @@ def test_hooks_are_not_called_for_zero_tokens():
         raise AssertionError("called")
 
     assert call(p, act_and_mul=boom, combine=boom).shape == (0, 64)
+
+
+@pytest.mark.parametrize("T,I,dtype", [(1, 48, torch.float32), (9, 48, torch.float32),
+                                       (4, 40, torch.bfloat16)])
+def test_fused_silu_is_the_unfused_result(T, I, dtype):
+    # I=48 / 40 with BLOCK_SIZE_N 32: a partial last N tile in both GEMMs. The
+    # fused GEMM's dots have another N shape, so fp32 sums may round apart;
+    # bf16 rounds gate and up as the unfused path stores them.
+    p = make_problem(T, I=I, k=3, dtype=dtype, seed=50 + T)
+    fused = call(p, config=UP)
+    unfused = call(p, config=UP, act_and_mul=pm._silu_and_mul)
+    assert rel_err(fused, unfused) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert rel_err(fused, reference(p)) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_fused_silu_zeroes_an_absent_up_page():
+    # Expert 2's up page alone is -1: its SiLU(gate) * up is 0, as unfused.
+    p = make_problem(6, k=2, seed=53)
+    p.page_table[2, 1] = -1
+    p.topk_ids[:, 0] = 2
+    fused = call(p, config=UP, validate=False)
+    unfused = call(p, config=UP, validate=False, act_and_mul=pm._silu_and_mul)
+    assert torch.isfinite(fused).all()  # the -1 page's NaN-free stand-in was zeroed
+    assert rel_err(fused, unfused) < 1e-6
+    p.page_table[2, 1] = p.page_table[2, 0]  # a real page would change the output
+    assert rel_err(call(p, config=UP, validate=False), fused) > 1e-3
+
+
+def _gemm_up(p, aligned, out):
+    H, I = p.hidden.shape[1], p.inter_size
+    pm._launch_gemm(p.hidden, out, p.pool, p.page_table, p.topk_weights.reshape(-1), aligned,
+                    N=2 * I, K=H, rows_per_page=I, slot_base=0, top_k=p.topk_ids.shape[1],
+                    mul_routed_weight=False, page_elems=p.page_elems, config=UP,
+                    options={"num_warps": 4, "num_stages": 1}, upcast=False)
+
+
+def test_one_token_slot_blocks_equal_the_aligned_gemm():
+    # T == 1 runs one M-block per slot with no alignment; each row's dots are
+    # the aligned GEMM's.
+    from rimuru_kernels import moe_align_block_size_triton
+
+    p = make_problem(1, k=4, seed=54)
+    rows, I = 4, p.inter_size
+    slot = torch.full((rows, 2 * I), float("nan"), device=p.hidden.device)
+    aligned = torch.full((rows, 2 * I), float("nan"), device=p.hidden.device)
+    _gemm_up(p, p.topk_ids.reshape(-1).contiguous(), slot)
+    _gemm_up(p, moe_align_block_size_triton(p.topk_ids, UP["BLOCK_SIZE_M"], p.page_table.shape[0]), aligned)
+    assert torch.isfinite(slot).all()
+    assert torch.equal(slot, aligned)
+    assert rel_err(call(p), reference(p)) < 1e-5
+
+
+def test_one_token_expert_id_outside_the_table_reads_nothing():
+    # Slot mode reads the expert id straight from topk_ids: an id >= E must not
+    # index past the page table. It contributes zero, as an absent expert does.
+    E = 8
+    p = make_problem(1, E=E, k=2, absent=(5,), seed=55)
+    p.topk_ids[0, 1] = 5
+    absent = call(p, validate=False)
+    p.topk_ids[0, 1] = E
+    outside = call(p, validate=False)
+    assert torch.equal(absent, outside)
+
+
+def test_default_top_k_sum_matches_torch():
+    x = torch.randn(5, 3, 70, generator=torch.Generator().manual_seed(56))
+    out = torch.empty(5, 70)
+    pm._sum_top_k(x, out)
+    assert torch.allclose(out, x.sum(dim=1), rtol=1e-6, atol=1e-6)
