@@ -941,14 +941,18 @@ def summarize():
 
     lines = ["", "**CPU DRY RUN (Triton interpreter, tiny shapes): numbers below are meaningless.**"] if CPU else []
     lines += ["", "## Per size (paged = scattered pool pages, contig = same kernel on pages 3e..3e+2)", "",
-             "| shape | routing | T | paged us | contig us | SGLang us | ovh % | SGLang/paged | TFLOP/s | weights GB/s | spread % |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| shape | routing | T | paged us | contig us | SGLang us | ovh % | SGLang/paged | SGLang full us "
+             "| full/paged | TFLOP/s | weights GB/s | spread % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in ks:
+        full = r.get("sglang_full", {}).get("median_us")
         lines.append(f"| {r['shape']} | {r['routing']} | {r['tokens']} | {fmt(r['paged']['median_us'], '{:.1f}')} | "
                      f"{fmt(r.get('contiguous', {}).get('median_us'), '{:.1f}')} | "
                      f"{fmt(r.get('sglang', {}).get('median_us'), '{:.1f}')} | "
                      f"{fmt(r.get('paged_over_contiguous_pct'), '{:+.2f}')} | "
-                     f"{fmt(r.get('sglang_over_paged_ratio'), '{:.3f}')} | {fmt(r['paged']['tflops'], '{:.1f}')} | "
+                     f"{fmt(r.get('sglang_over_paged_ratio'), '{:.3f}')} | {fmt(full, '{:.1f}')} | "
+                     f"{fmt(full / r['paged']['median_us'] if full else None, '{:.3f}')} | "
+                     f"{fmt(r['paged']['tflops'], '{:.1f}')} | "
                      f"{fmt(r['paged']['weight_read_gbs'], '{:.0f}')} | {fmt(r['paged']['spread_pct'], '{:.1f}')} |")
     if RESULTS["step"]:
         lines += ["", "## One MoE layer: next layer's experts copied during this layer's kernel (us per layer)", "",

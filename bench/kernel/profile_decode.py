@@ -94,14 +94,14 @@ def profile_shape(r, T, res, sgl_align):
     bm = cfg["BLOCK_SIZE_M"]
     al = [r.align(s[2], bm) for s in sets]
     gate_up = [torch.empty(T * r.k, 2 * r.I, dtype=r.dtype, device=dev) for _ in sets]
-    al_unfused = [r.align(s[2], bm, one_program=True) for s in sets]
+    one = T * r.k <= 1024  # the one-program align's limit
+    al_unfused = [r.align(s[2], bm, one_program=one) for s in sets]
     act = [torch.empty(T * r.k, r.I, dtype=r.dtype, device=dev) for _ in sets]
     down = [torch.empty(T * r.k, r.H, dtype=r.dtype, device=dev) for _ in sets]
     out = [torch.empty(T, r.H, dtype=r.dtype, device=dev) for _ in sets]
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     stages = {
         "empty_launch": lambda: [_empty_kernel[(1,)](flag) for _ in sets],
-        "align_one_program": lambda: [r.align(s[2], bm, one_program=True) for s in sets],
         "align_chunked": lambda: [r.align(s[2], bm, one_program=False) for s in sets],
         "gemm_up_silu": lambda: [r.gemm_up(s[0], s[1], a, o, cfg) for s, a, o in zip(sets, al, act)],
         "gemm_up": lambda: [r.gemm_up(s[0], s[1], a, o, cfg, fuse_silu=False)
@@ -114,6 +114,8 @@ def profile_shape(r, T, res, sgl_align):
                                                page_elems=r.page_elems, out=o, validate=False)
                                for s, o in zip(sets, out)],
     }
+    if one:
+        stages["align_one_program"] = lambda: [r.align(s[2], bm, one_program=True) for s in sets]
     if sgl_align is not None:
         stages["align_sglang"] = lambda: [sgl_align(s[2], bm, r.E) for s in sets]
     rec = dict(shape=r.name, tokens=T, config=cfg, down_config=dcfg, input_sets=nsets,

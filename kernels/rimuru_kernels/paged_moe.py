@@ -312,6 +312,31 @@ def _checked_config(name: str, config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in _CONFIG_KEYS and k != "USE_TMA"}
 
 
+# Shared memory the fused gate/up GEMM may plan for: under Hopper's 227 KB per
+# block, leaving room for the epilogue's layout conversion.
+_FUSED_SMEM_BUDGET = 200 * 1024
+
+
+def fit_fused_config(config: dict, elem_bytes: int) -> dict:
+    """``config`` fitted to the fused gate/up GEMM, which streams two B tiles per K step.
+
+    A config written for an unfused GEMM (SGLang's tables, a caller's) can ask
+    for more shared memory than a block has once B is doubled: drop pipeline
+    stages (down to 2), then halve BLOCK_SIZE_N, until the estimate fits.
+    Configs tuned for the fused GEMM (``configs/``) fit and pass unchanged.
+    """
+    c = dict(config)
+
+    def smem(c):
+        return c.get("num_stages", 3) * (c["BLOCK_SIZE_M"] + 2 * c["BLOCK_SIZE_N"]) * c["BLOCK_SIZE_K"] * elem_bytes
+
+    while smem(c) > _FUSED_SMEM_BUDGET and c.get("num_stages", 3) > 2:
+        c["num_stages"] = c.get("num_stages", 3) - 1
+    while smem(c) > _FUSED_SMEM_BUDGET and c["BLOCK_SIZE_N"] > 16:
+        c["BLOCK_SIZE_N"] //= 2
+    return c
+
+
 def _launch_gemm(a, c, pool, page_table, topk_weights, aligned, *, N, K, rows_per_page,
                  slot_base, top_k, mul_routed_weight, page_elems, config, options, upcast,
                  fuse_silu=False):
@@ -460,10 +485,11 @@ def paged_fused_moe(
 
     act = torch.empty(rows, I, dtype=hidden.dtype, device=hidden.device)
     if act_and_mul is None:  # SiLU*up in the gate/up GEMM's epilogue
+        fused = fit_fused_config(config, hidden.element_size())
         _launch_gemm(hidden, act, pool, page_table, topk_weights, aligned,
                      N=I, K=H, rows_per_page=I, slot_base=0, top_k=top_k,
-                     mul_routed_weight=False, page_elems=page_elems, config=config,
-                     options=up_options, upcast=upcast, fuse_silu=True)
+                     mul_routed_weight=False, page_elems=page_elems, config=fused,
+                     options=_checked_config("config", fused), upcast=upcast, fuse_silu=True)
     else:
         gate_up = torch.empty(rows, 2 * I, dtype=hidden.dtype, device=hidden.device)
         _launch_gemm(hidden, gate_up, pool, page_table, topk_weights, aligned,

@@ -202,3 +202,32 @@ def test_default_top_k_sum_matches_torch():
     out = torch.empty(5, 70)
     pm._sum_top_k(x, out)
     assert torch.allclose(out, x.sum(dim=1), rtol=1e-6, atol=1e-6)
+
+
+def test_fused_gemm_fits_an_unfused_config_into_shared_memory():
+    # SGLang's E=128,N=768 H200 config at 4096 tokens (M128 N256 K64, 4 stages)
+    # needs 4 * (128 + 2*256) * 64 * 2 B = 320 KB with B doubled: stages drop to
+    # 2 (160 KB) and the tiles stay.
+    big = {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 256, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 16,
+           "num_warps": 8, "num_stages": 4}
+    assert pm.fit_fused_config(big, 2) == dict(big, num_stages=2)
+    # Too big even at 2 stages: BLOCK_SIZE_N halves.
+    huge = dict(big, BLOCK_SIZE_K=128, BLOCK_SIZE_N=256)
+    assert pm.fit_fused_config(huge, 2) == dict(huge, num_stages=2, BLOCK_SIZE_N=128)
+    # What fits passes unchanged (the tuned tables'), also without num_stages.
+    small = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1}
+    assert pm.fit_fused_config(small, 2) == small
+    assert pm.fit_fused_config(dict(small, num_stages=5), 2) == dict(small, num_stages=5)
+
+
+def test_tuned_h200_tables_fit_the_fused_gemm():
+    # The tables tune_paged_moe.py wrote (the fused GEMM timed on the H200) pass
+    # unchanged; the older hand-made ones (E=128,N=384, E=256,N=512) are fitted at launch.
+    import json
+
+    from rimuru_kernels import moe_config
+
+    for name in ("E=128,N=768,device_name=NVIDIA_H200.json", "E=60,N=1408,device_name=NVIDIA_H200.json"):
+        path = moe_config.CONFIG_DIR / name
+        for tokens, cfg in json.loads(path.read_text()).items():
+            assert pm.fit_fused_config(cfg, 2) == cfg, (path.name, tokens)
