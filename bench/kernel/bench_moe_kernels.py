@@ -1000,6 +1000,9 @@ def main():
                                         text=True, timeout=10).stdout.strip() or None
     except Exception:
         meta["commit"] = None
+    # The device call copies a .git whose HEAD can be stale: the caller may name the commit.
+    if os.environ.get("RIMURU_COMMIT"):
+        meta["commit_git_reported"], meta["commit"] = meta["commit"], os.environ["RIMURU_COMMIT"]
     if not CPU:
         meta["device"] = torch.cuda.get_device_name()
         meta["device_capability"] = torch.cuda.get_device_capability()

@@ -21,7 +21,13 @@ rows per weight page reads slot ``SLOT_BASE + n // rows_per_page`` of the
 expert's page-table row (SLOT_BASE 0, rows_per_page I for gate/up; SLOT_BASE 2,
 rows_per_page H for down). The lookup is done once per output tile for its
 column vector; inside a page the K loop strides as SGLang's fused_moe_kernel
-does over a contiguous [E, N, K] tensor.
+does over a contiguous [E, N, K] tensor. When BLOCK_N divides rows_per_page
+(``TILE_IN_PAGE``, every shipped config) a tile's columns lie in one page: the
+lookup is one scalar load, B pointers are one int64 base plus int32 column
+offsets (SGLang's form), and a missing page runs no K steps instead of masking
+the accumulator. On sm_90 that takes ~25-30 % of the integer instructions per
+tile away (setup, the per-column mask kept live through the K loop, the
+epilogue's select) and the gate/up GEMM's register spill (bench/RESULTS.md).
 
 Two launch-saving modes (decode is launch-bound: a launch costs about what a
 small kernel's work does):
@@ -98,6 +104,7 @@ def _paged_moe_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     SLOT_BLOCKS: tl.constexpr,
     FUSE_SILU: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -134,30 +141,49 @@ def _paged_moe_gemm_kernel(
     expert_ok = (expert >= 0) & (expert < num_experts)
     expert = tl.where(expert_ok, expert, 0)
 
-    # Page lookup, once per tile: which page and row each output column reads.
-    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-    n_mask = offs_n < N
-    n = tl.where(n_mask, offs_n, 0)
-    slot = SLOT_BASE + n // rows_per_page
-    row = (n % rows_per_page).to(tl.int64)
-    page = tl.load(page_table_ptr + expert * stride_pt + slot).to(tl.int64)
-    page_ok = (page >= 0) & expert_ok
-    # A page of -1 reads page 0 (in bounds) and its columns are zeroed below.
-    col_base = tl.where(page_ok, page, 0) * page_elems + row * K
-
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     a_ptrs = a_ptr + (tok // TOP_K)[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = pool_ptr + col_base[None, :] + offs_k[:, None]
+    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    n_mask = offs_n < N
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     if FUSE_SILU:
-        # N = I: column n is gate row n (slot SLOT_BASE) and up row n (the next slot).
-        page_up = tl.load(page_table_ptr + expert * stride_pt + slot + 1).to(tl.int64)
-        page_up_ok = (page_up >= 0) & expert_ok
-        b_up_ptrs = pool_ptr + (tl.where(page_up_ok, page_up, 0) * page_elems + row * K)[None, :] \
-            + offs_k[:, None]
         acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    if TILE_IN_PAGE:
+        # rows_per_page % BLOCK_SIZE_N == 0 (launcher checks): the tile's columns
+        # lie in one page. Scalar page lookup; per-column offsets in int32 plus
+        # one int64 scalar base, as SGLang's b_ptr + e * stride_be + n * stride_bn.
+        n0 = pid_n * BLOCK_SIZE_N
+        slot = SLOT_BASE + n0 // rows_per_page
+        row0 = n0 % rows_per_page
+        pt_row = page_table_ptr + expert * stride_pt + slot
+        page = tl.load(pt_row).to(tl.int64)
+        ok = (page >= 0) & expert_ok
+        col_off = (tl.arange(0, BLOCK_SIZE_N) * K)[None, :] + offs_k[:, None]   # int32
+        b_ptrs = pool_ptr + (tl.where(ok, page, 0) * page_elems + row0.to(tl.int64) * K) + col_off
+        if FUSE_SILU:
+            page_up = tl.load(pt_row + 1).to(tl.int64)
+            ok = ok & (page_up >= 0)
+            b_up_ptrs = pool_ptr + (tl.where(ok, page_up, 0) * page_elems + row0.to(tl.int64) * K) + col_off
+        # A missing page (or, fused, either page) gives a zero output: run no K
+        # steps instead of masking the accumulator (silu(0) * up = gate-silu * 0 = 0).
+        k_end = tl.where(ok, K, 0)
+    else:
+        # Page lookup, once per tile: which page and row each output column reads.
+        n = tl.where(n_mask, offs_n, 0)
+        slot = SLOT_BASE + n // rows_per_page
+        row = (n % rows_per_page).to(tl.int64)
+        page = tl.load(page_table_ptr + expert * stride_pt + slot).to(tl.int64)
+        page_ok = (page >= 0) & expert_ok
+        col_base = tl.where(page_ok, page, 0) * page_elems + row * K
+        b_ptrs = pool_ptr + col_base[None, :] + offs_k[:, None]
+        if FUSE_SILU:
+            page_up = tl.load(page_table_ptr + expert * stride_pt + slot + 1).to(tl.int64)
+            page_up_ok = (page_up >= 0) & expert_ok
+            b_up_ptrs = pool_ptr + (tl.where(page_up_ok, page_up, 0) * page_elems + row * K)[None, :] \
+                + offs_k[:, None]
+        k_end = K
 
-    for k0 in range(0, K, BLOCK_SIZE_K):
+    for k0 in range(0, k_end, BLOCK_SIZE_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=tok_mask[:, None], other=0.0)
             b = tl.load(b_ptrs)
@@ -183,11 +209,14 @@ def _paged_moe_gemm_kernel(
             acc_up += tl.dot(a, b_up, input_precision=DOT_PRECISION)
             b_up_ptrs += BLOCK_SIZE_K
 
-    acc = tl.where(page_ok[None, :], acc, 0.0)
+    if not TILE_IN_PAGE:
+        acc = tl.where(page_ok[None, :], acc, 0.0)
+        if FUSE_SILU:
+            acc_up = tl.where(page_up_ok[None, :], acc_up, 0.0)
     if FUSE_SILU:
         # Gate and up rounded as the unfused path stores them, then _silu_and_mul_kernel's math.
         gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
-        up = tl.where(page_up_ok[None, :], acc_up, 0.0).to(c_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
         acc = gate * tl.sigmoid(gate) * up
     if MUL_ROUTED_WEIGHT:
         # fp32 accumulator times the routing weight, then one rounding to the
@@ -368,6 +397,7 @@ def _launch_gemm(a, c, pool, page_table, topk_weights, aligned, *, N, K, rows_pe
         DOT_PRECISION="ieee" if fp32_dot else "tf32",
         SLOT_BLOCKS=slot_blocks,
         FUSE_SILU=fuse_silu,
+        TILE_IN_PAGE=rows_per_page % bn == 0,
         BLOCK_SIZE_M=bm,
         BLOCK_SIZE_N=bn,
         BLOCK_SIZE_K=bk,

@@ -231,3 +231,22 @@ def test_tuned_h200_tables_fit_the_fused_gemm():
         path = moe_config.CONFIG_DIR / name
         for tokens, cfg in json.loads(path.read_text()).items():
             assert pm.fit_fused_config(cfg, 2) == cfg, (path.name, tokens)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("missing", [0, 1, 2])  # W1 (gate), W3 (up), W2 (down)
+def test_tile_in_page_missing_page_contributes_exactly_zero(fused, missing):
+    # BLOCK_SIZE_N 32 divides I=64 and H=64: every tile lies in one page
+    # (TILE_IN_PAGE), so a -1 page runs no K steps. Its slots must add exactly
+    # what a zero routing weight adds (SiLU(0)*up = SiLU(gate)*0 = 0).
+    p = make_problem(7, I=64, H=64, k=3, seed=60 + missing)
+    e = int(p.topk_ids[0, 0])
+    hooks = {} if fused else {"act_and_mul": pm._silu_and_mul}
+    zero_weight = p.topk_weights.clone()
+    zero_weight[p.topk_ids == e] = 0.0
+    want = paged_fused_moe(p.hidden, p.pool, p.page_table, zero_weight, p.topk_ids, inter_size=64,
+                           page_elems=p.page_elems, config=UP, **hooks)
+    p.page_table[e, missing] = -1
+    got = call(p, config=UP, validate=False, **hooks)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, want)
