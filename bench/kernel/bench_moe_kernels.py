@@ -78,6 +78,9 @@ from rimuru_kernels import (  # noqa: E402
 )
 from rimuru_kernels.paged_moe import _silu_and_mul_kernel  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from paged_rig import capture_graph  # noqa: E402
+
 CPU = ARGS.cpu_dry_run
 DEV = torch.device("cpu" if CPU else "cuda")
 if not CPU and not torch.cuda.is_available():
@@ -225,19 +228,7 @@ def graph_of(fn, calls: int):
     if CPU:  # dry run: 'replay' just calls fn (plumbing only)
         fn()
         return _CpuGraph(lambda: [fn() for _ in range(calls)])
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()  # first replay (uploads) off the clock
-    torch.cuda.synchronize()
-    return g
+    return capture_graph(fn, calls)  # its first replay (uploads) is off the clock
 
 
 def event_ms(run) -> float:

@@ -111,9 +111,9 @@ class Rig:
         _silu_and_mul(gate_up, act)
 
 
-def graph_time_us(fn, calls_per_fn: int, min_ms: float = 1.0, replays: int = 5) -> float:
-    """Median µs per call of fn (which makes ``calls_per_fn`` calls) as a replayed CUDA graph
-    lasting >= min_ms."""
+def capture_graph(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph replaying fn() ``calls`` times: fn warmed up on a side stream
+    first (allocator, Triton JIT), the first replay (upload) already done."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -122,9 +122,17 @@ def graph_time_us(fn, calls_per_fn: int, min_ms: float = 1.0, replays: int = 5) 
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
+        for _ in range(calls):
+            fn()
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def graph_time_us(fn, calls_per_fn: int, min_ms: float = 1.0, replays: int = 5) -> float:
+    """Median µs per call of fn (which makes ``calls_per_fn`` calls) as a replayed CUDA graph
+    lasting >= min_ms."""
+    g = capture_graph(fn)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     g.replay()
@@ -133,12 +141,7 @@ def graph_time_us(fn, calls_per_fn: int, min_ms: float = 1.0, replays: int = 5) 
     one = a.elapsed_time(b)
     reps = max(1, math.ceil(min_ms / max(one, 1e-3)))
     if reps > 1:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                fn()
-        g.replay()
-        torch.cuda.synchronize()
+        g = capture_graph(fn, reps)
     ts = []
     for _ in range(replays):
         a.record()

@@ -71,13 +71,7 @@ def main():
                 fn()
                 torch.cuda.synchronize()
                 reps = max(1, int(ARGS.graph_ms / 1e3 / max(time.perf_counter() - t, 1e-6)))
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for _ in range(reps):
-                        fn()
-                g.replay()
-                torch.cuda.synchronize()
-                graphs[name] = (g, reps * len(sets))
+                graphs[name] = (rig.capture_graph(fn, reps), reps * len(sets))
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             for turn in range(ARGS.turns):
                 for name, (g, calls) in graphs.items():
