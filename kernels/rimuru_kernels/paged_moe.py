@@ -174,6 +174,7 @@ def _paged_moe_gemm_kernel(
         row = (n % rows_per_page).to(tl.int64)
         page = tl.load(page_table_ptr + expert * stride_pt + slot).to(tl.int64)
         page_ok = (page >= 0) & expert_ok
+        # A page of -1 reads page 0 (in bounds); its columns are zeroed after the loop.
         col_base = tl.where(page_ok, page, 0) * page_elems + row * K
         b_ptrs = pool_ptr + col_base[None, :] + offs_k[:, None]
         if FUSE_SILU:
