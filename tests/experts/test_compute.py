@@ -265,15 +265,20 @@ def _kernel_matches_cpu(device: str, T: int = 24) -> None:
     assert m.stats().on_demand_loads + m.stats().prefetch_hits > 0
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy, inside the interpreter
-def test_compute_cuda_kernel_wiring_under_the_interpreter() -> None:
+def _interpreter_only(cuda_reason: str) -> None:
+    """Skip unless the paged kernel runs under the Triton interpreter in this session."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CUDA present: the gpu-marked test covers compute_cuda")
+        pytest.skip(cuda_reason)
     import rimuru_kernels.paged_moe as pm
 
     if not pm.INTERPRETED:
         pytest.skip("rimuru_kernels was imported without TRITON_INTERPRET=1 in this session")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy, inside the interpreter
+def test_compute_cuda_kernel_wiring_under_the_interpreter() -> None:
+    _interpreter_only("CUDA present: the gpu-marked test covers compute_cuda")
     _kernel_matches_cpu("cpu")
 
 
@@ -285,13 +290,9 @@ def test_compute_cuda_on_gpu_with_streams() -> None:
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # numpy, inside the interpreter
 def test_compute_cuda_passes_the_manager_kernel_hooks() -> None:
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CUDA present: tests/kernels/test_gpu_sglang_exact.py covers the hooks on the GPU")
+    _interpreter_only("CUDA present: tests/kernels/test_gpu_sglang_exact.py covers the hooks on the GPU")
     import rimuru_kernels.paged_moe as pm
 
-    if not pm.INTERPRETED:
-        pytest.skip("rimuru_kernels was imported without TRITON_INTERPRET=1 in this session")
     from sglang_rimuru.experts import KernelHooks
 
     T, k, E, I, H = 10, 2, 8, 16, 32
