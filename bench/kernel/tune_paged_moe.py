@@ -65,8 +65,10 @@ def cfg(bm, bn, bk, g, w, s):
     return dict(zip(KEYS, (bm, bn, bk, g, w, s)))
 
 
-def smem_ok(c) -> bool:
-    return c["num_stages"] * (c["BLOCK_SIZE_M"] + c["BLOCK_SIZE_N"]) * c["BLOCK_SIZE_K"] * 2 <= SMEM_LIMIT
+def smem_ok(c, which: str = "down") -> bool:
+    """Fits in shared memory; the fused gate/up GEMM ("up") streams two B tiles."""
+    b_tiles = 2 if which == "up" else 1
+    return c["num_stages"] * (c["BLOCK_SIZE_M"] + b_tiles * c["BLOCK_SIZE_N"]) * c["BLOCK_SIZE_K"] * 2 <= SMEM_LIMIT
 
 
 def candidates(T: int) -> dict[int, list[dict]]:
@@ -130,7 +132,8 @@ def precompile(shapes, tokens):
             for cs in candidates(T).values():
                 for c in cs:
                     for which in ("up", "down"):
-                        jobs.append((name, shape, T, which, c))
+                        if smem_ok(c, which):
+                            jobs.append((name, shape, T, which, c))
     if ARGS.workers <= 0:
         return 0, []
     from concurrent.futures import ProcessPoolExecutor
@@ -186,7 +189,7 @@ def tune_size(r, T, rec):
     for bm, cs in candidates(T).items():
         best = {}
         for which in ("up", "down"):
-            timed = [(run(which, c), c) for c in cs]
+            timed = [(run(which, c), c) for c in cs if smem_ok(c, which)]
             timed = sorted(((t, c) for t, c in timed if t is not None), key=lambda tc: tc[0])[: ARGS.leaders]
             # Re-time the leaders (the first pass has one short graph each) and keep the fastest.
             retimed = sorted(((min(t, run(which, c) or t), c) for t, c in timed), key=lambda tc: tc[0])
