@@ -131,8 +131,8 @@ def test_quiet_pool_restores_into_reserved_pages() -> None:
     assert order.evict == ()
     assert order.restore == (
         ExpertMove(2, 6, (54, 55, 56)), ExpertMove(2, 7, (57, 58, 59)),
-        ExpertMove(0, 7, (60, 61, 62)), ExpertMove(0, 6, (63, 64, 65)),
-        ExpertMove(1, 1, (66, 67, 68)))
+        ExpertMove(0, 7, (60, 61, 62)), ExpertMove(1, 1, (63, 64, 65)),
+        ExpertMove(0, 6, (66, 67, 68)))
     # reserved now: owned by the experts' keys, F_b stays at the high water or above
     for m in order.restore:
         assert owned_by(rig.pool, m.pages, m.layer, m.expert)
@@ -200,7 +200,7 @@ def test_complete_checks_before_changing_anything() -> None:
         adj.complete(9)
     # someone else took one of the reserved pages: refused, nothing half-done
     rig.pool.free_expert_pages([order.restore[-1].pages[0]])
-    with pytest.raises(ValueError, match="restore of layer 1 expert 1 onto"):
+    with pytest.raises(ValueError, match="restore of layer 0 expert 6 onto"):
         adj.complete(order)
     assert all(not rig.residency.is_resident(m.layer, m.expert) for m in order.restore)
     assert len(adj.in_flight) == 1
