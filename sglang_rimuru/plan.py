@@ -14,6 +14,13 @@ W1, W3, W2 of one TP shard)::
     2 * offload_limit * 3      the two load buffers
     layers * resident * 3      resident experts
     the rest                   KV pages (and, later, experts restored by the adjuster)
+
+The smallest workable pool holds the fewest residents the mode allows
+(static: ``--rimuru-resident-experts``; elastic: ``experts - offload_limit``
+per layer, since the adjuster can evict down to that) plus the KV of one
+request. In elastic mode without ``--rimuru-resident-experts`` the experts
+resident at start are as many as the pool holds (``residents_at_start``); the
+adjuster then trades them for KV as load comes.
 """
 
 from __future__ import annotations
@@ -106,7 +113,8 @@ class PoolPlan:
 
     num_moe_layers: int
     num_experts: int
-    resident_per_layer: int
+    #: experts per layer resident at start; None: elastic, as many as fit (``residents_at_start``)
+    resident_per_layer: int | None
     offload_limit: int
     expert_page_bytes: int
     kv_page_bytes: int
@@ -114,6 +122,7 @@ class PoolPlan:
     page_size: int
     request_tokens: int  # the "one request" every pool must be able to hold
     pool_bytes: int | None  # None: sized on the device from SGLang's KV budget
+    mode: str = "static"
 
     @property
     def kv_pages_per_expert_page(self) -> int:
@@ -123,32 +132,75 @@ class PoolPlan:
         return self.expert_page_bytes // self.kv_page_bytes - 1
 
     @property
-    def fixed_expert_pages(self) -> int:
-        """Pages that are never KV: dummy slot, load buffers, resident experts."""
-        return 1 + 2 * self.offload_limit * 3 + self.num_moe_layers * self.resident_per_layer * 3
+    def min_resident_per_layer(self) -> int:
+        """The fewest experts per layer the pool must hold: static keeps its split;
+        elastic can evict down to ``experts - offload_limit``."""
+        if self.resident_per_layer is not None and not self.elastic:
+            return self.resident_per_layer
+        return self.num_experts - self.offload_limit
+
+    @property
+    def elastic(self) -> bool:
+        return self.mode == "elastic"
+
+    def fixed_expert_pages(self, resident_per_layer: int | None = None) -> int:
+        """Pages that are not KV: dummy slot, load buffers, resident experts
+        (``resident_per_layer`` of them, default the fewest the mode allows)."""
+        resident = self.min_resident_per_layer if resident_per_layer is None else resident_per_layer
+        return 1 + 2 * self.offload_limit * 3 + self.num_moe_layers * resident * 3
 
     def expert_pages_for_tokens(self, tokens: int) -> int:
         kv_pages = math.ceil(tokens / self.page_size)
         return math.ceil(kv_pages / self.kv_pages_per_expert_page)
 
-    def bytes_for(self, kv_tokens: int) -> int:
-        return (self.fixed_expert_pages + self.expert_pages_for_tokens(kv_tokens)) * self.expert_page_bytes
+    def bytes_for(self, kv_tokens: int, resident_per_layer: int | None = None) -> int:
+        return (self.fixed_expert_pages(resident_per_layer) + self.expert_pages_for_tokens(kv_tokens)) \
+            * self.expert_page_bytes
 
     @property
     def min_pool_bytes(self) -> int:
         return self.bytes_for(self.request_tokens)
 
     def check_pool_bytes(self, pool_bytes: int, flag: str = "--rimuru-pool-gb") -> None:
+        """The pool holds the fewest residents the mode allows and one request;
+        in elastic mode with ``--rimuru-resident-experts``, those residents too."""
+        resident = self.min_resident_per_layer
         if pool_bytes < self.min_pool_bytes:
-            experts = self.num_moe_layers * self.resident_per_layer * 3 * self.expert_page_bytes
+            experts = self.num_moe_layers * resident * 3 * self.expert_page_bytes
             buffers = 2 * self.offload_limit * 3 * self.expert_page_bytes
             kv = self.bytes_for(self.request_tokens) - self.bytes_for(0)
+            how = (f", the fewest --rimuru-expert-offload-limit {self.offload_limit} allows" if self.elastic
+                   else "")
             raise PlanError(
-                f"{flag}: a pool of {pool_bytes / GIB:.4g} GiB cannot hold {self.resident_per_layer} resident "
-                f"experts x {self.num_moe_layers} layers ({experts / GIB:.4g} GiB), the load buffers "
+                f"{flag}: a pool of {pool_bytes / GIB:.4g} GiB cannot hold {resident} resident "
+                f"experts x {self.num_moe_layers} layers ({experts / GIB:.4g} GiB{how}), the load buffers "
                 f"({buffers / GIB:.4g} GiB) and one request of {self.request_tokens} tokens "
                 f"({kv / GIB:.4g} GiB); it needs at least {self.min_pool_bytes / GIB:.4g} GiB"
             )
+        if self.elastic and self.resident_per_layer is not None:
+            need = self.bytes_for(0, self.resident_per_layer)
+            if pool_bytes < need:
+                raise PlanError(
+                    f"--rimuru-resident-experts {self.resident_per_layer}: {flag} gives a pool of "
+                    f"{pool_bytes / GIB:.4g} GiB, and {self.resident_per_layer} experts x {self.num_moe_layers} "
+                    f"layers with the load buffers need {need / GIB:.4g} GiB at start; lower it, or leave it out "
+                    "to start with as many experts as fit"
+                )
+
+    def residents_at_start(self, free_expert_pages: int, keep_free_pages: int) -> int:
+        """Experts (all layers) to place at start, given the pool's free expert pages
+        after the dummy slot and the load buffers.
+
+        Fixed counts place ``resident_per_layer`` per layer. Elastic without one:
+        as many as fit while ``keep_free_pages`` expert pages stay free (the
+        adjuster's low water, so it does not evict at once), never fewer than the
+        offload limit allows (``check_pool_bytes`` made sure those fit).
+        """
+        if self.resident_per_layer is not None:
+            return self.num_moe_layers * self.resident_per_layer
+        most = self.num_moe_layers * self.num_experts
+        least = self.num_moe_layers * self.min_resident_per_layer
+        return max(least, min(most, (free_expert_pages - keep_free_pages) // 3))
 
 
 def plan_pool(
@@ -171,13 +223,21 @@ def plan_pool(
         )
     if config.resident_experts is not None:
         resident = config.resident_experts
-    else:  # static: the fixed split; elastic: everything at start, the adjuster moves it
-        resident = experts if config.mode == "elastic" else experts - limit
-    if resident < 1:
+    elif config.mode == "elastic":  # as many as the pool holds at start; the adjuster moves it
+        resident = None
+    else:  # static: the fixed split
+        resident = experts - limit
+    if resident is None:
+        if experts - limit < 1:
+            raise PlanError(
+                f"--rimuru-expert-offload-limit {limit} would let a layer offload all {experts} experts; "
+                "each MoE layer must keep at least one expert resident"
+            )
+    elif resident < 1:
         raise PlanError(f"--rimuru-resident-experts {resident}: each MoE layer must keep at least one expert resident")
-    if resident > experts:
+    if resident is not None and resident > experts:
         raise PlanError(f"--rimuru-resident-experts {resident} is above the {experts} routed experts of each MoE layer")
-    if experts - resident > limit:
+    if resident is not None and experts - resident > limit:
         raise PlanError(
             f"--rimuru-resident-experts {resident} offloads {experts - resident} experts per layer, "
             f"above --rimuru-expert-offload-limit {limit}"
@@ -203,6 +263,7 @@ def plan_pool(
         page_size=page_size,
         request_tokens=min(context_len or facts.context_len, max_total_tokens or 1 << 62),
         pool_bytes=None,
+        mode=config.mode,
     )
     if plan.kv_page_bytes > plan.expert_page_bytes:
         raise PlanError(
@@ -213,7 +274,9 @@ def plan_pool(
         pool_bytes = int(config.pool_gb * GIB)
         plan.check_pool_bytes(pool_bytes)
     elif max_total_tokens is not None:
-        pool_bytes = plan.bytes_for(max(max_total_tokens, plan.request_tokens))
+        # every expert resident at start (or the given count), plus that much KV
+        start = experts if resident is None else resident
+        pool_bytes = plan.bytes_for(max(max_total_tokens, plan.request_tokens), start)
     else:
         pool_bytes = None
     return dataclasses.replace(plan, pool_bytes=pool_bytes)

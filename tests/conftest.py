@@ -21,8 +21,14 @@ STARTUP_TIMEOUT_S = float(os.environ.get("RIMURU_TEST_STARTUP_TIMEOUT", "300"))
 Server = LocalServer
 
 
+#: SGLang's own range checks on KV writes (``set_kv_buffer``: ``0 <= loc < size + page_size``).
+#: On a GPU the JIT KV store asserts the same; on CPU nothing would, so a pool that
+#: hands SGLang an id past its KV pool would pass every CPU test (it did, at 0dafc5d).
+CHECKED_SGLANG = {"SGLANG_ENABLE_ASYNC_ASSERT": "1"}
+
+
 def start_server(args: list[str], log_path: Path, env: dict | None = None) -> Server:
-    return start_local_server(args, log_path, timeout=STARTUP_TIMEOUT_S, env=env)
+    return start_local_server(args, log_path, timeout=STARTUP_TIMEOUT_S, env={**CHECKED_SGLANG, **(env or {})})
 
 
 @pytest.fixture(scope="session")

@@ -14,3 +14,11 @@ def test_radix_cache_over_the_unified_pool():
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip().splitlines()[-1] == "OK"
+
+
+def test_sglang_kv_pool_over_the_pool_at_real_geometry():
+    """Every KV id inside SGLang's KV pool bounds at Qwen1.5-MoE / Qwen3-30B byte geometry."""
+    script = Path(__file__).parent / "sglang_cpu" / "kv_bounds_real_geometry.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip().splitlines()[-1] == "OK"

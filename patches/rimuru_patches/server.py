@@ -200,9 +200,29 @@ def main(argv: list[str] | None = None) -> int:
     from sglang.launch_server import run_server
     from sglang.srt.utils import kill_process_tree
 
+    from rimuru_patches import start_errors
+
+    error_file = start_errors.publish_error_file()  # before SGLang spawns its children
+
+    def child_failed(line: str) -> None:
+        # A scheduler found a budget that cannot work (start_errors.py): one line, no traceback.
+        print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
+        kill_process_tree(os.getpid(), include_parent=False)
+        os._exit(start_errors.EXIT_CODE)
+
+    start_errors.watch(error_file, child_failed)
     logger.info("sglang-rimuru: mode=%s device=%s tp=%d", config.mode, server_args.device, server_args.tp_size)
     try:
         run_server(server_args)
+    except BaseException:
+        line = start_errors.read(error_file)
+        if line is None:
+            raise
+        child_failed(line)
     finally:
         kill_process_tree(os.getpid(), include_parent=False)
+        try:
+            os.unlink(error_file)
+        except OSError:
+            pass
     return 0

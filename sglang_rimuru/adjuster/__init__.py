@@ -25,7 +25,7 @@ from .orders import (
     encode,
 )
 from .policy import FLAGS, REASONS, AdjusterPolicy, Decision
-from .selection import pick_restores, pick_victims
+from .selection import pick_offloaded_at_start, pick_restores, pick_victims
 
 if TYPE_CHECKING:
     from .adjuster import Adjuster, AdjusterStats, RoundRecord
@@ -46,6 +46,7 @@ __all__ = [
     "RoundRecord",
     "decode",
     "encode",
+    "pick_offloaded_at_start",
     "pick_restores",
     "pick_victims",
 ]

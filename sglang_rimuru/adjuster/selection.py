@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # plain duck typing at run time; no torch import from here
     from sglang_rimuru.experts import ExpertRanking, ExpertResidency
 
-__all__ = ["pick_restores", "pick_victims"]
+__all__ = ["pick_offloaded_at_start", "pick_restores", "pick_victims"]
 
 Move = tuple[int, int]  # (layer, expert)
 
@@ -58,7 +58,7 @@ def pick_victims(residency: ExpertResidency, ranking: ExpertRanking, n: int,
                 yield e, out[layer]
                 out[layer] += 1
 
-    return _merge(residency, ranking, n, nominations, sign=1.0)
+    return _merge(residency.shape.layer_ids, ranking, n, nominations, sign=1.0)
 
 
 def pick_restores(residency: ExpertResidency, ranking: ExpertRanking, n: int,
@@ -74,10 +74,25 @@ def pick_restores(residency: ExpertResidency, ranking: ExpertRanking, n: int,
                 yield e, -out[layer]  # the layer with the most offloaded first
                 out[layer] -= 1
 
-    return _merge(residency, ranking, n, nominations, sign=-1.0)
+    return _merge(residency.shape.layer_ids, ranking, n, nominations, sign=-1.0)
 
 
-def _merge(residency: ExpertResidency, ranking: ExpertRanking, n: int, nominations,
+def pick_offloaded_at_start(layer_ids: Sequence[int], ranking: ExpertRanking, offload_limit: int,
+                            n: int) -> list[Move]:
+    """The ``n`` experts an elastic pool starts without: the victims ``pick_victims``
+    would choose if every expert were resident (least probable first, ties
+    spread over layers, at most ``offload_limit`` per layer)."""
+    out = dict.fromkeys(layer_ids, 0)
+
+    def nominations(layer: int) -> Iterator[tuple[int, int]]:
+        for e in reversed(ranking.order(layer)[-offload_limit:] if offload_limit else []):
+            yield e, out[layer]
+            out[layer] += 1
+
+    return _merge(layer_ids, ranking, n, nominations, sign=1.0)
+
+
+def _merge(layer_ids: Sequence[int], ranking: ExpertRanking, n: int, nominations,
            sign: float) -> list[Move]:
     """k-way merge of the layers' nomination streams on ``(sign * probability, spread, layer)``.
 
@@ -99,7 +114,7 @@ def _merge(residency: ExpertResidency, ranking: ExpertRanking, n: int, nominatio
             # one entry per layer at a time: ties end at the layer id, never at ``it``
             heapq.heappush(heap, (sign * ranking.probability(layer, e), spread, layer, e, it))
 
-    for layer in residency.shape.layer_ids:
+    for layer in layer_ids:
         push(layer, nominations(layer))
     while heap and len(out) < n:
         _, _, layer, e, it = heapq.heappop(heap)

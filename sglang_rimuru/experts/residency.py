@@ -8,12 +8,16 @@ Bookkeeping only (no tensors).  State map, per MoE layer ``l``::
     _version[l] bumped on every change of l (the manager refreshes its table then)
 
 The static mode keeps a prefix of each layer's ranking resident
-(``place_initial``).  The elastic mode (a later issue) moves experts in and out
-with ``evict`` / ``admit``, guided by ``eviction_candidate`` /
-``restore_candidate``; nothing here assumes the resident set is a prefix.
+(``place_initial``). The elastic mode starts with whatever set fits
+(``place_all_but``: the adjuster's selection picks who is left out) and moves
+experts in and out with ``evict`` / ``admit``; nothing here assumes the
+resident set is a prefix.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection
 
 from sglang_rimuru.pool import EXPERT_MATRICES, ExpertKey, UnifiedPagePool
 
@@ -62,15 +66,8 @@ class ExpertResidency:
     # ================================================================ placement
 
     def place_initial(self, resident_per_layer: int) -> None:
-        """Allocate pages for the ``resident_per_layer`` hottest experts of every layer.
-
-        Layers in forward order, experts in ranking order, each expert's three
-        pages in one all-or-nothing allocation.  Checks the whole need against
-        the pool first, so on ``NotEnoughPagesError`` nothing is allocated.
-        """
+        """Allocate pages for the ``resident_per_layer`` hottest experts of every layer."""
         e, limit = self.shape.num_experts, self.offload_limit
-        if self._placed:
-            raise RuntimeError("place_initial already ran")
         if isinstance(resident_per_layer, bool) or not isinstance(resident_per_layer, int):
             raise ValueError(f"--rimuru-resident-experts must be an int, got {resident_per_layer!r}")
         if resident_per_layer > e:
@@ -82,16 +79,39 @@ class ExpertResidency:
                 f"{e - resident_per_layer} experts per layer, more than "
                 f"--rimuru-expert-offload-limit={limit}; keep at least {e - limit} resident "
                 f"or raise the limit")
-        need = 3 * resident_per_layer * self.shape.num_layers
+        self.place_all_but([(l, x) for l in self.shape.layer_ids
+                            for x in self.ranking.order(l)[resident_per_layer:]])
+
+    def place_all_but(self, offloaded: Collection[tuple[int, int]]) -> None:
+        """Allocate pages for every expert except ``offloaded`` (``(layer, expert)`` pairs).
+
+        Layers in forward order, experts in ranking order, each expert's three
+        pages in one all-or-nothing allocation. No layer may leave out more than
+        ``offload_limit``. The whole need is checked against the pool first, so
+        on ``NotEnoughPagesError`` nothing is allocated.
+        """
+        if self._placed:
+            raise RuntimeError("place_initial already ran")
+        out = set(offloaded)
+        for l, x in out:
+            self._layer(l)
+            self.shape.check_expert(x)
+        per_layer = Counter(l for l, _ in out)
+        over = {l: n for l, n in per_layer.items() if n > self.offload_limit}
+        if over:
+            raise ValueError(f"offloading {over} experts per layer is more than "
+                             f"--rimuru-expert-offload-limit={self.offload_limit}")
+        need = 3 * (self.shape.num_experts * self.shape.num_layers - len(out))
         free = self.page_pool.free_expert_page_count()
         if need > free:
             raise NotEnoughPagesError(
-                f"keeping {resident_per_layer} experts resident in each of "
-                f"{self.shape.num_layers} MoE layers needs {need} expert pages "
-                f"({need * self.page_pool.geometry.expert_page_bytes} B), the pool has {free} free; "
-                f"lower --rimuru-resident-experts or give the pool more memory")
+                f"keeping {need // 3} experts resident over {self.shape.num_layers} MoE layers needs "
+                f"{need} expert pages ({need * self.page_pool.geometry.expert_page_bytes} B), the pool has "
+                f"{free} free; lower --rimuru-resident-experts or give the pool more memory")
         for layer in self.shape.layer_ids:
-            for expert in self.ranking.order(layer)[:resident_per_layer]:
+            for expert in self.ranking.order(layer):
+                if (layer, expert) in out:
+                    continue
                 pages = self.page_pool.alloc_expert_pages(3, expert_owners(layer, expert))
                 if pages is None:  # cannot happen after the check above
                     raise NotEnoughPagesError(f"pool ran out placing layer {layer} expert {expert}")

@@ -124,6 +124,39 @@ MODELS: dict[str, ModelSpec] = {
             tokenizer="bytes",
             eos_token="<|im_end|>",
         ),
+        # Tiny models with a real model's KV-token to expert-page byte ratio, so the
+        # pool's id space, holes and split counts are those of the real shape
+        # (a tiny model's own ratio, 4, hides them). head_dim 64 as above.
+        ModelSpec(
+            name="tiny-qwen2-moe-q15-ratio",
+            kind="tiny",
+            architecture="Qwen2MoeForCausalLM",
+            description="random Qwen2-MoE, 6 layers, 8 experts top-2 + shared; expert page / KV token "
+            "= 88/3, as Qwen1.5-MoE-A2.7B (45,056 / 1,536 B)",
+            # moe_intermediate_size a multiple of 32: SGLang pads it to one on CPU.
+            config=dict(
+                _TINY_COMMON,
+                num_hidden_layers=6,
+                num_attention_heads=1,
+                num_key_value_heads=1,
+                moe_intermediate_size=352,
+                shared_expert_intermediate_size=64,
+                norm_topk_prob=False,
+            ),
+            tokenizer="bytes",
+            eos_token="<|im_end|>",
+        ),
+        ModelSpec(
+            name="tiny-qwen3-moe-q3-ratio",
+            kind="tiny",
+            architecture="Qwen3MoeForCausalLM",
+            description="random Qwen3-MoE, 2 layers, 8 experts top-2; expert page / KV token = 32, "
+            "as Qwen3-30B-A3B (16,384 / 512 B)",
+            config=dict(_TINY_COMMON, num_key_value_heads=1, head_dim=64, moe_intermediate_size=128,
+                        norm_topk_prob=True),
+            tokenizer="bytes",
+            eos_token="<|im_end|>",
+        ),
         ModelSpec(
             name="qwen1.5-moe-a2.7b",
             kind="shape",

@@ -137,3 +137,16 @@ def test_ranked_victims_still_go_by_rank() -> None:
 def test_bad_n(rig, n) -> None:
     with pytest.raises(ValueError):
         pick_victims(rig.residency, rig.ranking, n)
+
+
+def test_elastic_start_leaves_out_what_the_victims_rule_would() -> None:
+    from sglang_rimuru.adjuster import pick_offloaded_at_start
+
+    shape = MoEShape(layer_ids=(0, 1, 2), num_experts=8, hidden=8, inter=4, top_k=2, dtype=torch.bfloat16)
+    uniform = ExpertRanking.default(shape)
+    assert pick_offloaded_at_start(shape.layer_ids, uniform, 4, 5) == [(0, 7), (1, 7), (2, 7), (0, 6), (1, 6)]
+    assert len(pick_offloaded_at_start(shape.layer_ids, uniform, 2, 100)) == 6  # the limit holds
+    assert pick_offloaded_at_start(shape.layer_ids, uniform, 0, 3) == []
+    # a real ranking: least probable first, exactly as pick_victims on a full residency
+    full = make_rig(pages=80, resident=8)
+    assert pick_offloaded_at_start((0, 1, 2), full.ranking, 4, 9) == pick_victims(full.residency, full.ranking, 9)

@@ -58,7 +58,7 @@ def test_tiny_plan_from_max_total_tokens():
     # expert page: 32 x 64 bf16; token: 2 layers x K,V x 2 heads x 64 x 2 B
     assert (plan.expert_page_bytes, plan.token_bytes, plan.kv_page_bytes) == (4096, 1024, 1024)
     assert (plan.resident_per_layer, plan.offload_limit) == (4, 4)
-    assert plan.fixed_expert_pages == 1 + 2 * 4 * 3 + 2 * 4 * 3  # dummy slot, load buffers, residents
+    assert plan.fixed_expert_pages() == 1 + 2 * 4 * 3 + 2 * 4 * 3  # dummy slot, load buffers, residents
     assert plan.kv_pages_per_expert_page == 4
     assert plan.pool_bytes == (49 + 8192 // 4) * 4096
 
@@ -101,3 +101,51 @@ def test_smallest_pool_that_passes():
 def test_mode_off_rejects_pool_flags():
     with pytest.raises(ValueError, match=r"--rimuru-pool-gb need --rimuru-mode static"):
         RimuruConfig(pool_gb=1.0)
+
+
+# --- elastic: the budget counts what the offload limit can free -------------------
+
+ELASTIC_Q15 = RimuruConfig(mode="elastic", expert_offload_limit=20)
+#: what SGLang left for the pool on the H200 emulating a 32 GB card (0dafc5d's log: 24.455 GiB)
+CARD_32GB_POOL = int(24.455 * GIB)
+
+
+def test_elastic_without_residents_fits_what_the_pool_holds():
+    plan = plan_pool(ModelFacts.from_config(QWEN15), ELASTIC_Q15)
+    assert plan.resident_per_layer is None and plan.min_resident_per_layer == 40
+    plan.check_pool_bytes(CARD_32GB_POOL)
+    # one full-context request with 40 of 60 experts per layer, the load buffers and the dummy page
+    assert plan.min_pool_bytes == (1 + 2 * 20 * 3 + 24 * 40 * 3 + -(-8192 // 28)) * 5_767_168
+    # 32 GB card: 4553 expert pages, 4432 free after the dummy page and the load buffers:
+    # all 1440 experts fit, with 112 pages (~3k tokens) of KV left
+    free = CARD_32GB_POOL // 5_767_168 - 1 - 2 * 20 * 3
+    assert (free, plan.residents_at_start(free, keep_free_pages=2)) == (4432, 24 * 60)
+    # ~17.5 GiB (a 24 GB card): not all fit; as many as do, the low water kept free
+    free = int(17.5 * GIB) // 5_767_168 - 1 - 2 * 20 * 3
+    total = plan.residents_at_start(free, keep_free_pages=2)
+    assert total == (free - 2) // 3 == 1045
+    assert free - 3 * total >= 2  # the adjuster's low water stays free: no eviction at idle
+    # never below what the offload limit allows (check_pool_bytes holds that much)
+    assert plan.residents_at_start(0, keep_free_pages=2) == 24 * 40
+
+
+def test_elastic_with_residents_needs_them_at_start_but_not_with_a_request():
+    plan = plan_pool(ModelFacts.from_config(QWEN15), RimuruConfig(mode="elastic", expert_offload_limit=20,
+                                                                 resident_experts=58))
+    plan.check_pool_bytes(CARD_32GB_POOL)  # 0dafc5d: "needs 24.65 GiB, has 24.46"
+    assert plan.residents_at_start(123, keep_free_pages=2) == 24 * 58
+    with pytest.raises(PlanError, match=r"--rimuru-resident-experts 60: .* need .* at start; lower it, or leave it out"):
+        plan_pool(ModelFacts.from_config(QWEN15), RimuruConfig(mode="elastic", expert_offload_limit=20,
+                                                                resident_experts=60)).check_pool_bytes(int(23.5 * GIB))
+
+
+def test_elastic_budget_too_small_even_at_the_offload_limit():
+    plan = plan_pool(ModelFacts.from_config(QWEN15), ELASTIC_Q15)
+    with pytest.raises(PlanError, match=r"cannot hold 40 resident experts x 24 layers .*the fewest "
+                                        r"--rimuru-expert-offload-limit 20 allows.* one request of 8192 tokens"):
+        plan.check_pool_bytes(int(16 * GIB), flag="--mem-fraction-static")
+
+
+def test_elastic_offload_limit_of_every_expert_is_refused():
+    with pytest.raises(PlanError, match=r"--rimuru-expert-offload-limit 8 would let a layer offload all 8"):
+        plan_pool(ModelFacts.from_config(TINY), RimuruConfig(mode="elastic", expert_offload_limit=8))

@@ -151,3 +151,30 @@ def test_host_store_put_and_views() -> None:
     assert torch.equal(store.matrix(0, 5, 2).view(8, 4), w2s[5])
     with pytest.raises(ValueError, match=r"w13 has shape"):
         store.put_fused(0, w13[:, :4], w2s)
+
+
+def test_place_all_but_leaves_out_exactly_the_given_experts() -> None:
+    shape = tiny_shape()
+    _, pool = make_pool(shape, 64)
+    r = ExpertResidency(shape, pool, ExpertRanking.default(shape), offload_limit=3)
+    r.place_all_but({(0, 7), (1, 7), (0, 6)})  # (elastic start: chosen by pick_offloaded_at_start)
+    assert r.offloaded(0) == [6, 7] and r.offloaded(1) == [7]
+    # forward order, ranking order, three pages each, lowest ids first
+    assert r.resident_pages(0) == {e: (3 * e, 3 * e + 1, 3 * e + 2) for e in range(6)}
+    assert r.pages(1, 0) == (18, 19, 20)
+    pool.check_invariants()
+    with pytest.raises(RuntimeError, match="already ran"):
+        r.place_all_but(set())
+
+
+def test_place_all_but_checks_the_limit_and_the_pool_before_allocating() -> None:
+    shape = tiny_shape()
+    _, pool = make_pool(shape, 40)  # 40 pages < 3 x 16 experts
+    r = ExpertResidency(shape, pool, ExpertRanking.default(shape), offload_limit=2)
+    with pytest.raises(ValueError, match=r"offloading \{0: 3\} experts per layer is more than --rimuru-expert-offload-limit=2"):
+        r.place_all_but({(0, 7), (0, 6), (0, 5)})
+    with pytest.raises(NotEnoughPagesError, match="keeping 15 experts resident over 2 MoE layers needs 45 expert pages"):
+        r.place_all_but({(0, 7)})
+    assert pool.free_expert_page_count() == 40  # nothing allocated
+    r.place_all_but({(0, 7), (1, 7), (0, 6), (1, 6)})
+    assert r.num_resident() == 12

@@ -48,7 +48,11 @@ def _alloc_memory_pool(orig, ctx):
             profile = original("pool.kv_budget")
             return profile(self.kv_cache_configurator, self.pre_model_load_memory)
 
-        RimuruRuntime.build(self, config, profile_bytes)
+        from rimuru_patches.start_errors import one_line_start_errors
+        from sglang_rimuru.plan import PlanError
+
+        with one_line_start_errors(PlanError):  # a budget that cannot work: one line, no traceback
+            RimuruRuntime.build(self, config, profile_bytes)
         return orig(self, memory_pool_config)
 
     return alloc_memory_pool
@@ -84,11 +88,14 @@ def _kv_pool(orig, ctx):
     def _build_mha_kv_pool(self, *, max_total_num_tokens, mha_pool_class, quant_method=None):
         runtime = _runtime()
         if runtime is not None:
-            from rimuru_patches.unified_pool.kv import pooled_kv_pool_class
+            from rimuru_patches.unified_pool.kv import pooled_kv_pool_class, sglang_kv_pool_size
 
             if quant_method is not None:
                 raise RuntimeError("--rimuru-mode does not support a quantized KV cache")
             mha_pool_class = pooled_kv_pool_class(runtime)
+            # SGLang's KV pool spans the pool's whole KV id space; admission keeps
+            # max_total_num_tokens (the allocator's size). kv.sglang_kv_pool_size says why.
+            max_total_num_tokens = sglang_kv_pool_size(runtime)
         return orig(
             self, max_total_num_tokens=max_total_num_tokens, mha_pool_class=mha_pool_class, quant_method=quant_method
         )

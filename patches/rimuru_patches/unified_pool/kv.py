@@ -58,6 +58,7 @@ class PooledTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         ids = self.runtime.page_pool.alloc_kv_pages(need_size, owner=KV_OWNER)
         if ids is None:
             return None
+        check_kv_ids_in_bounds(ids, self._kvcache)
         self._held.update(ids)
         return torch.tensor(ids, dtype=torch.int64, device=self.device)
 
@@ -81,6 +82,43 @@ class PooledTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         return self._kvcache.load_cpu_copy(kv_cache_cpu, indices, mamba_indices=mamba_indices)
 
 
+def sglang_kv_pool_size(runtime) -> int:
+    """``size`` of SGLang's KV pool over the unified pool: the whole KV id space.
+
+    SGLang bounds every KV index by its KV pool's ``size + page_size`` (the JIT
+    KV store asserts it on CUDA, ``SGLANG_ENABLE_ASYNC_ASSERT`` everywhere),
+    while pool KV ids are byte offsets that run over the whole buffer. So the KV
+    pool spans every id (its buffers are the views ``PoolBuffer.kv_views``
+    makes, exactly ``size + page_size`` rows); admission does not follow it:
+    the allocator's ``size`` (SGLang's ``max_total_num_tokens``) is what the
+    pool can give KV. See ``sglang_rimuru/pool/README.md``.
+    """
+    return runtime.kv_id_limit - runtime.plan.page_size
+
+
+class KVIdOutOfBounds(RuntimeError):
+    """A KV id the pool handed out is outside SGLang's KV pool (its kernels would
+    fault or, on CUDA, assert: ``store_cache``'s ``index < size + page_size``)."""
+
+
+def check_kv_ids_in_bounds(ids, kvcache) -> None:
+    """Every id handed to SGLang is below its KV pool's ``size + page_size``.
+
+    Checked on every allocation (one ``max`` over ids already in a list): on CPU
+    nothing in SGLang bounds the ids, so without this an id past the KV views
+    would pass every CPU test and only crash on a GPU.
+    """
+    if kvcache is None:  # an allocator built without SGLang's pool (unit tests)
+        return
+    limit = kvcache.size + kvcache.page_size
+    top = max(ids) if ids else -1
+    if top >= limit or (ids and min(ids) < 0):
+        raise KVIdOutOfBounds(
+            f"sglang-rimuru: KV id {top if top >= limit else min(ids)} is outside SGLang's KV pool "
+            f"[0, size + page_size = {limit})"
+        )
+
+
 def pooled_kv_pool_class(runtime) -> type:
     """``MHATokenToKVPool`` whose per-layer K/V buffers are views of the pool's bytes."""
 
@@ -98,6 +136,12 @@ def pooled_kv_pool_class(runtime) -> type:
                 raise RuntimeError(
                     f"KV token size {views.token_bytes} B differs from the pool plan's "
                     f"{runtime.plan.token_bytes} B (KV dtype or head count mismatch)"
+                )
+            rows = views.k[0].shape[0]
+            if rows != self.size + self.page_size:
+                raise RuntimeError(
+                    f"SGLang's KV pool has size + page_size = {self.size + self.page_size} slots, the pool's "
+                    f"KV views {rows}: every KV id must be inside both (unified_pool/__init__.py)"
                 )
             self.k_buffer, self.v_buffer = views.k, views.v
 

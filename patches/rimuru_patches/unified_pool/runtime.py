@@ -28,6 +28,7 @@ import torch
 from sglang_rimuru.config import RimuruConfig
 from sglang_rimuru.experts import (
     ExpertManager,
+    NotEnoughPagesError,
     ExpertRanking,
     ExpertResidency,
     HostExpertStore,
@@ -35,7 +36,7 @@ from sglang_rimuru.experts import (
     MoEShape,
     load_ranking,
 )
-from sglang_rimuru.plan import GIB, ModelFacts, PoolPlan, plan_pool
+from sglang_rimuru.plan import GIB, ModelFacts, PlanError, PoolPlan, plan_pool
 from sglang_rimuru.pool import PoolBuffer, PoolGeometry, UnifiedPagePool
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,12 @@ _ACTIVE: "RimuruRuntime | None" = None
 def active() -> "RimuruRuntime | None":
     """The runtime of this process, once built (None in plain SGLang processes)."""
     return _ACTIVE
+
+
+def _range(counts) -> str:
+    counts = list(counts)
+    lo, hi = min(counts), max(counts)
+    return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
 def find_moe_layers(model: torch.nn.Module) -> dict[int, tuple[torch.nn.Module, torch.Tensor]]:
@@ -79,6 +86,13 @@ class RimuruRuntime:
         self.layer_ids = frozenset(shape.layer_ids)
         #: the elastic mode's ``ElasticController`` (None in static mode)
         self.elastic = elastic
+
+    @property
+    def kv_id_limit(self) -> int:
+        """One past the largest KV token id the pool can hand out: the rows of the
+        KV views. SGLang's KV pool is built with ``size = kv_id_limit - page_size``
+        so that its bound ``size + page_size`` covers every id (``kv.py``)."""
+        return self.geometry.num_kv_page_ids * self.plan.page_size
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -150,8 +164,8 @@ class RimuruRuntime:
             load_ranking(config.expert_ranking, shape) if config.expert_ranking else ExpertRanking.default(shape)
         )
         residency = ExpertResidency(shape, page_pool, ranking, plan.offload_limit)
-        residency.place_initial(plan.resident_per_layer)
         load_buffers = LoadBuffers(shape, page_pool, slots=plan.offload_limit)
+        cls._place_residents(plan, config, shape, page_pool, ranking, residency)
         gates = {layer_id: gate for layer_id, (_, gate) in layers.items()}
         manager = ExpertManager(shape, buffer, residency, host, load_buffers, gates, device)
         if device.type == "cuda":
@@ -176,17 +190,18 @@ class RimuruRuntime:
         stats = page_pool.stats()
         logger.info(
             "sglang-rimuru %s pool: %.3f GiB in %d expert pages of %d B; %d resident experts "
-            "(%d of %d per layer x %d layers), load buffers 2 x %d, KV capacity %d tokens; "
+            "(%s of %d per layer x %d layers), load buffers 2 x %d, KV now %d tokens, at most %d; "
             "%d experts (%.3f GiB) in host memory; ranking: %s",
             config.mode,
             geometry.pool_bytes / GIB,
             geometry.num_expert_pages,
             geometry.expert_page_bytes,
             residency.num_resident(),
-            plan.resident_per_layer,
+            _range(residency.num_resident(l) for l in shape.layer_ids),
             shape.num_experts,
             len(shape.layer_ids),
             plan.offload_limit,
+            page_pool.kv_capacity_now() * plan.page_size,
             runtime.kv_capacity_tokens,
             len(shape.layer_ids) * shape.num_experts,
             host.nbytes / GIB,
@@ -196,6 +211,24 @@ class RimuruRuntime:
             logger.info("sglang-rimuru layer %d resident experts: %s", layer_id, residency.resident(layer_id))
         logger.debug("sglang-rimuru pool stats: %s", stats)
         return runtime
+
+    @staticmethod
+    def _place_residents(plan: PoolPlan, config: RimuruConfig, shape: MoEShape, page_pool, ranking,
+                         residency) -> None:
+        """The experts resident at start: a fixed count per layer, or (elastic without
+        ``--rimuru-resident-experts``) as many as fit, the rest chosen as the
+        adjuster chooses victims (least probable first, ties spread over layers)."""
+        if plan.resident_per_layer is not None:
+            try:
+                residency.place_initial(plan.resident_per_layer)
+            except NotEnoughPagesError as exc:
+                raise PlanError(str(exc)) from None
+            return
+        from sglang_rimuru.adjuster import pick_offloaded_at_start
+
+        total = plan.residents_at_start(page_pool.free_expert_page_count(), config.adjuster_evict_low_water)
+        n_out = len(shape.layer_ids) * shape.num_experts - total
+        residency.place_all_but(pick_offloaded_at_start(shape.layer_ids, ranking, plan.offload_limit, n_out))
 
     @staticmethod
     def _sglang_kernel_hooks(layers, shape: MoEShape, server_args):

@@ -1,0 +1,96 @@
+"""Pool modes at a real model's byte geometry: every KV id stays inside SGLang's bounds.
+
+The tiny models here have the KV-token to expert-page byte ratio of
+Qwen1.5-MoE-A2.7B (88/3: 29 or 28 KV slots per expert page, holes between)
+and of Qwen3-30B-A3B (32). At 0dafc5d the pool handed SGLang KV ids equal to
+byte offset / token bytes, far past SGLang's KV pool ``size``; on the GPU the
+JIT KV store asserted ``index < size + page_size`` and the server died at the
+first long prefill. On CPU nothing in SGLang looked, so every test passed.
+Now every server here runs with SGLang's own bounds check on each KV write
+(``SGLANG_ENABLE_ASYNC_ASSERT=1``: ``set_kv_buffer`` asserts
+``0 <= loc < size + page_size``) and the pool's invariants after every
+completed order (``SGLANG_RIMURU_CHECK_INVARIANTS=1``); either failing kills
+the scheduler, and the requests below would fail.
+
+Static: half of each layer's experts offloaded. Elastic: no residency flag and
+a pool too small for every expert, so the server starts with the experts that
+fit (the rest spread over layers), a burst evicts more, and the quiet period
+brings them back. Greedy ids must equal mode off throughout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import re
+
+import pytest
+
+from sglang_rimuru.models import ensure_model
+from tests.conftest import generate, start_server
+from tests.server.test_elastic import read_trace, wait_all_resident
+
+pytestmark = pytest.mark.server
+
+CHECKED = {"SGLANG_ENABLE_ASYNC_ASSERT": "1", "SGLANG_RIMURU_CHECK_INVARIANTS": "1"}
+BASE = ["--context-length", "512"]
+STATIC = ["--rimuru-mode", "static", "--rimuru-resident-experts", "4", "--rimuru-expert-offload-limit", "4",
+          "--max-total-tokens", "2048"]
+LONG = "a long prompt that fills many KV pages " * 9  # ~350 tokens: more than 10 expert pages of KV
+BURST = [f"request {i}: " + "word " * 30 for i in range(12)]
+
+#: model -> (elastic pool in GiB, experts resident at start): fewer than all fit, so the
+#: server starts with some experts in host memory (one per layer first: ties spread).
+#: q15: 45,056 B expert pages; 153 = 1 dummy + 24 load-buffer + 126 for 42 of 48 experts + 2 free
+#: q3:  16,384 B expert pages;  66 = 1 dummy + 24 load-buffer +  39 for 13 of 16 experts + 2 free
+ELASTIC_POOL = {
+    "tiny-qwen2-moe-q15-ratio": (153 * 45_056 / (1 << 30), 42),
+    "tiny-qwen3-moe-q3-ratio": (66 * 16_384 / (1 << 30), 13),
+}
+
+
+def workload(srv) -> dict:
+    with cf.ThreadPoolExecutor(len(BURST)) as ex:
+        burst = list(ex.map(lambda p: generate(srv, p, max_new_tokens=16)["output_ids"], BURST))
+    return {
+        "long": generate(srv, LONG, max_new_tokens=8)["output_ids"],
+        "burst": burst,
+    }
+
+
+@pytest.mark.parametrize("model", list(ELASTIC_POOL))
+def test_pool_modes_at_real_geometry_keep_kv_ids_in_bounds(tmp_path, model_dir, model):
+    path = str(ensure_model(model, cache_dir=model_dir))
+    off = start_server(["--model-path", path, *BASE, "--max-total-tokens", "4096"], tmp_path / "off.log")
+    try:
+        expected = workload(off)
+    finally:
+        off.stop()
+
+    static = start_server(["--model-path", path, *BASE, *STATIC], tmp_path / "static.log", env=CHECKED)
+    try:
+        assert workload(static) == expected
+        assert "Traceback" not in static.log()
+    finally:
+        static.stop()
+
+    pool_gb, at_start = ELASTIC_POOL[model]
+    trace = tmp_path / "trace.jsonl"
+    elastic = start_server(
+        ["--model-path", path, *BASE, "--rimuru-mode", "elastic", "--rimuru-expert-offload-limit", "4",
+         "--rimuru-pool-gb", f"{pool_gb + 1e-9:.9f}", "--rimuru-adjuster-trace", str(trace)],
+        tmp_path / "elastic.log", env=CHECKED)
+    try:
+        log = elastic.log()
+        started = re.search(r"sglang-rimuru elastic pool: .*?; (\d+) resident experts \(([\d-]+) of 8 per layer", log)
+        assert started and int(started.group(1)) == at_start, log[-3000:]
+        assert workload(elastic) == expected
+        lines = read_trace(trace)
+        assert any(line["evicted"] for line in lines), lines[-3:]
+        for line in lines:  # evictions spread over layers: none has two more out than another
+            out = [8 - len(experts) for experts in line["resident_sets"].values()]
+            assert max(out) - min(out) <= 1, line
+            assert max(out) <= 4, line  # the offload limit
+        assert workload(elastic) == expected  # still serving after the split moved
+        assert "Traceback" not in elastic.log()
+    finally:
+        elastic.stop()
