@@ -40,6 +40,10 @@ class RimuruConfig:
     adjuster_max_restores: int = 5
     #: elastic mode: append one JSON line per round in which the split changed
     adjuster_trace: str | None = None
+    #: batches of at most this many tokens read offloaded experts in place from
+    #: pinned host memory (zero-copy, no host sync); larger ones copy them into the
+    #: load buffers first. CUDA graphs always read in place.
+    zero_copy_max_tokens: int = 128
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -47,6 +51,7 @@ class RimuruConfig:
         for flag, value in (
             ("--rimuru-expert-offload-limit", self.expert_offload_limit),
             ("--rimuru-resident-experts", self.resident_experts),
+            ("--rimuru-zero-copy-max-tokens", self.zero_copy_max_tokens),
         ):
             if value is not None and value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
@@ -92,6 +97,8 @@ class RimuruConfig:
             "--rimuru-resident-experts": self.resident_experts,
             "--rimuru-pool-gb": self.pool_gb,
             "--rimuru-expert-ranking": self.expert_ranking,
+            "--rimuru-zero-copy-max-tokens": (None if self.zero_copy_max_tokens == self._default(
+                "--rimuru-zero-copy-max-tokens") else self.zero_copy_max_tokens),
         }
 
     @property
@@ -133,6 +140,15 @@ class RimuruConfig:
             metavar="GIB",
             help="Size of the unified expert/KV page pool per GPU. Default: resident experts + load "
             "buffers + --max-total-tokens of KV when that is given, else what SGLang would give its KV cache.",
+        )
+        group.add_argument(
+            "--rimuru-zero-copy-max-tokens",
+            type=int,
+            default=RimuruConfig.zero_copy_max_tokens,
+            metavar="N",
+            help="Forward passes of at most N tokens read offloaded experts in place from pinned host "
+            "memory over PCIe (no copy, no host sync); larger ones copy the routed offloaded experts "
+            "into load buffers first. CUDA graphs always read in place. 0: always copy outside graphs.",
         )
         group.add_argument(
             "--rimuru-record-routing",
@@ -191,6 +207,7 @@ class RimuruConfig:
             adjuster_restore_high_water=args.rimuru_adjuster_restore_high_water,
             adjuster_max_restores=args.rimuru_adjuster_max_restores,
             adjuster_trace=args.rimuru_adjuster_trace,
+            zero_copy_max_tokens=args.rimuru_zero_copy_max_tokens,
         )
 
     def to_dict(self) -> dict:

@@ -4,9 +4,21 @@ Pool layout (DESIGN.md section 4)::
 
     pool: 1-D tensor, the pool's bytes viewed as the weight dtype
     page p: elements [p * page_elems, p * page_elems + page_elems)
-    page_table[e] = (W1 page, W3 page, W2 page), int32, -1 = not present
+    page_table[e] = (W1 page, W3 page, W2 page), int32:
+        p >= 0   pool page p
+        p <= -2  host page h = -2 - p of ``host_pages`` (mapped pinned host
+                 memory, read in place over PCIe: zero-copy)
+        -1       not present (contributes zero; ``validate`` refuses it)
     W1 (gate) and W3 (up): [I, H] row-major at the start of their page
     W2 (down):             [H, I] row-major at the start of its page
+
+Host pages let every expert be readable without a host round trip: an
+offloaded expert's row points at its pinned host copy, so routing, the
+kernel and the weight traffic are all enqueued on the device and a CUDA graph
+can replay them (DESIGN section 8). The host pages are addressed from the pool's
+pointer (``host_base``: the element offset of ``host_pages`` from ``pool``;
+pinned memory is mapped at the same address on the device under CUDA's
+unified addressing), so the kernel has one weight pointer and one lookup.
 
 Gate/up GEMM, output column n in [0, 2I) of expert e, hidden element t::
 
@@ -77,6 +89,16 @@ class ExpertNotResidentError(ValueError):
 
 
 @triton.jit
+def _page_start(page, ok, page_elems, host_base, host_page_elems):
+    """Element offset from the pool pointer where a page-table entry's matrix starts:
+    pool page ``page`` (>= 0), host page ``-2 - page`` (<= -2), or pool page 0 when
+    not ``ok`` (an in-bounds stand-in; the caller runs no K steps or zeroes it)."""
+    pool_start = tl.where(ok & (page >= 0), page, 0) * page_elems
+    host_start = host_base + (-2 - page) * host_page_elems
+    return tl.where(ok & (page <= -2), host_start, pool_start)
+
+
+@triton.jit
 def _paged_moe_gemm_kernel(
     a_ptr,
     pool_ptr,
@@ -93,6 +115,8 @@ def _paged_moe_gemm_kernel(
     num_experts,
     rows_per_page,
     page_elems,
+    host_base,
+    host_page_elems,
     stride_am,
     stride_cm,
     stride_pt,
@@ -157,13 +181,15 @@ def _paged_moe_gemm_kernel(
         row0 = n0 % rows_per_page
         pt_row = page_table_ptr + expert * stride_pt + slot
         page = tl.load(pt_row).to(tl.int64)
-        ok = (page >= 0) & expert_ok
+        ok = (page != -1) & expert_ok
         col_off = (tl.arange(0, BLOCK_SIZE_N) * K)[None, :] + offs_k[:, None]   # int32
-        b_ptrs = pool_ptr + (tl.where(ok, page, 0) * page_elems + row0.to(tl.int64) * K) + col_off
+        row_off = row0.to(tl.int64) * K
+        b_ptrs = pool_ptr + (_page_start(page, ok, page_elems, host_base, host_page_elems) + row_off) + col_off
         if FUSE_SILU:
             page_up = tl.load(pt_row + 1).to(tl.int64)
-            ok = ok & (page_up >= 0)
-            b_up_ptrs = pool_ptr + (tl.where(ok, page_up, 0) * page_elems + row0.to(tl.int64) * K) + col_off
+            ok = ok & (page_up != -1)
+            b_up_ptrs = pool_ptr + (_page_start(page_up, ok, page_elems, host_base, host_page_elems)
+                                    + row_off) + col_off
         # A missing page (or, fused, either page) gives a zero output: run no K
         # steps instead of masking the accumulator (silu(0) * up = gate-silu * 0 = 0).
         k_end = tl.where(ok, K, 0)
@@ -173,15 +199,15 @@ def _paged_moe_gemm_kernel(
         slot = SLOT_BASE + n // rows_per_page
         row = (n % rows_per_page).to(tl.int64)
         page = tl.load(page_table_ptr + expert * stride_pt + slot).to(tl.int64)
-        page_ok = (page >= 0) & expert_ok
+        page_ok = (page != -1) & expert_ok
         # A page of -1 reads page 0 (in bounds); its columns are zeroed after the loop.
-        col_base = tl.where(page_ok, page, 0) * page_elems + row * K
+        col_base = _page_start(page, page_ok, page_elems, host_base, host_page_elems) + row * K
         b_ptrs = pool_ptr + col_base[None, :] + offs_k[:, None]
         if FUSE_SILU:
             page_up = tl.load(page_table_ptr + expert * stride_pt + slot + 1).to(tl.int64)
-            page_up_ok = (page_up >= 0) & expert_ok
-            b_up_ptrs = pool_ptr + (tl.where(page_up_ok, page_up, 0) * page_elems + row * K)[None, :] \
-                + offs_k[:, None]
+            page_up_ok = (page_up != -1) & expert_ok
+            b_up_ptrs = pool_ptr + (_page_start(page_up, page_up_ok, page_elems, host_base, host_page_elems)
+                                    + row * K)[None, :] + offs_k[:, None]
         k_end = K
 
     for k0 in range(0, k_end, BLOCK_SIZE_K):
@@ -262,7 +288,8 @@ def _sum_top_k_kernel(x_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexp
 # ---------------------------------------------------------------------------
 
 
-def _check_inputs(hidden, pool, page_table, topk_weights, topk_ids, inter_size, page_elems, out):
+def _check_inputs(hidden, pool, page_table, topk_weights, topk_ids, inter_size, page_elems, out,
+                  host_pages=None):
     def fail(arg: str, msg: str):
         raise ValueError(f"paged_fused_moe: {arg}: {msg}")
 
@@ -301,6 +328,18 @@ def _check_inputs(hidden, pool, page_table, topk_weights, topk_ids, inter_size, 
                     ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         if t.device != dev:
             fail(name, f"on {t.device}, hidden on {dev}")
+    if host_pages is not None:
+        if host_pages.dim() != 1 or not host_pages.is_contiguous() or host_pages.dtype != hidden.dtype:
+            fail("host_pages", f"must be a contiguous 1-D {hidden.dtype} tensor, got "
+                 f"{tuple(host_pages.shape)} {host_pages.dtype}")
+        if host_pages.numel() % (inter_size * H):
+            fail("host_pages", f"{host_pages.numel()} elements is not a whole number of I*H pages")
+        # (is_pinned asks the CUDA runtime: not during a graph capture; the manager checks it once)
+        if dev.type == "cuda" and not torch.cuda.is_current_stream_capturing() and not (
+                host_pages.device == dev or host_pages.is_pinned()):
+            fail("host_pages", "must be pinned host memory (mapped into the device's address space)")
+        if dev.type == "cpu" and host_pages.device.type != "cpu":
+            fail("host_pages", f"on {host_pages.device}, hidden on cpu")
     if out is not None:
         if tuple(out.shape) != (T, H) or out.dtype != hidden.dtype or out.device != dev:
             fail("out", f"must be [{T}, {H}] {hidden.dtype} on {dev}, got "
@@ -309,27 +348,50 @@ def _check_inputs(hidden, pool, page_table, topk_weights, topk_ids, inter_size, 
             fail("out", "must be contiguous")
 
 
-def _validate_pages(pool, page_table, topk_ids, inter_size, H, page_elems):
-    """Host checks (sync): routed ids in range, their pages present and in the pool."""
+def _validate_pages(pool, page_table, topk_ids, inter_size, H, page_elems, host_pages):
+    """Host checks (sync): routed ids in range, their pages present and in the pool
+    or the host pages."""
     E = page_table.shape[0]
     routed = torch.unique(topk_ids).tolist()
     bad = [e for e in routed if not 0 <= e < E]
     if bad:
         raise ValueError(f"paged_fused_moe: topk_ids: expert ids {bad} outside [0, {E})")
     pages = page_table[routed].tolist()
-    missing = [e for e, row in zip(routed, pages) if min(row) < 0]
+    missing = [e for e, row in zip(routed, pages) if -1 in row]
     if missing:
         raise ExpertNotResidentError(
             f"paged_fused_moe: page_table: routed experts {missing} have page id -1 "
-            "(neither resident nor loaded)"
+            "(neither resident, loaded nor on the host)"
         )
     last_page = (pool.numel() - inter_size * H) // page_elems
+    host_count = 0 if host_pages is None else host_pages.numel() // (inter_size * H)
     for e, row in zip(routed, pages):
         if max(row) > last_page:
             raise ValueError(
                 f"paged_fused_moe: page_table: expert {e} pages {row} run past the "
                 f"pool ({pool.numel()} elements, page_elems={page_elems})"
             )
+        host = [-2 - p for p in row if p <= -2]
+        if host and max(host) >= host_count:
+            raise ValueError(
+                f"paged_fused_moe: page_table: expert {e} reads host pages {host}, "
+                f"host_pages holds {host_count}"
+            )
+
+
+def _host_base(pool: torch.Tensor, host_pages: torch.Tensor | None) -> int:
+    """Element offset of ``host_pages`` from ``pool`` (the kernel's ``host_base``).
+
+    Pinned host memory is mapped into the device's address space at its host
+    address (CUDA unified addressing), so the kernel reaches it from the pool's
+    pointer. 0 without host pages (entries <= -2 must then not be routed).
+    """
+    if host_pages is None:
+        return 0
+    delta = host_pages.data_ptr() - pool.data_ptr()
+    if delta % pool.element_size():
+        raise ValueError("paged_fused_moe: host_pages is not element-aligned relative to the pool")
+    return delta // pool.element_size()
 
 
 def _checked_config(name: str, config: dict) -> dict:
@@ -369,7 +431,7 @@ def fit_fused_config(config: dict, elem_bytes: int) -> dict:
 
 def _launch_gemm(a, c, pool, page_table, topk_weights, aligned, *, N, K, rows_per_page,
                  slot_base, top_k, mul_routed_weight, page_elems, config, options, upcast,
-                 fuse_silu=False):
+                 fuse_silu=False, host_base=0, host_page_elems=0):
     """One GEMM. ``options``: the config's other keys (num_warps, num_stages, ...),
     passed to the launch as SGLang passes ``**config``; absent ones are Triton's defaults.
     ``aligned``: an ``AlignedTokens``, or the flat topk_ids for slot blocks (one token).
@@ -388,7 +450,7 @@ def _launch_gemm(a, c, pool, page_table, topk_weights, aligned, *, N, K, rows_pe
         a, pool, c, page_table, topk_weights,
         sorted_ids, expert_ids, num_post,
         N, K, em, c.shape[0], page_table.shape[0],
-        rows_per_page, page_elems,
+        rows_per_page, page_elems, host_base, host_page_elems,
         a.stride(0), c.stride(0), page_table.stride(0),
         SLOT_BASE=slot_base,
         TOP_K=top_k,
@@ -440,12 +502,14 @@ def paged_fused_moe(
     out: torch.Tensor | None = None,
     validate: bool | None = None,
     upcast: bool | None = None,
+    host_pages: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_j w[t, j] * W2_e (silu(W1_e x_t) * (W3_e x_t)),  e = topk_ids[t, j].
 
     hidden: [T, H] bf16/fp16/fp32. pool: 1-D, the page pool viewed as
     hidden's dtype. page_table: int32/int64 [E, 3], per expert the page of W1
-    (gate, [I, H]), W3 (up, [I, H]) and W2 (down, [H, I]); -1 = absent.
+    (gate, [I, H]), W3 (up, [I, H]) and W2 (down, [H, I]); -1 = absent; ``-2 - h`` = host page h
+    of ``host_pages`` (read in place: zero-copy).
     topk_weights / topk_ids: [T, k] routing weights and expert ids.
     inter_size: I (per TP shard). page_elems: pool elements per expert page
     (>= I * H; pages may be padded). config: launch config with SGLang's keys
@@ -455,12 +519,14 @@ def paged_fused_moe(
     down_config: the down GEMM's config, None = ``config``; its
     BLOCK_SIZE_M must equal ``config``'s (one alignment serves both GEMMs).
     act_and_mul(x [T*k, 2I], out [T*k, I]): writes SiLU(gate) * up into out;
-    None = fused into the gate/up GEMM (this module's SiLU kernel's math). combine(intermediate [T, k, H], out [T, H]): writes
+    None = fused into the gate/up GEMM (this module's SiLU kernel's math).
+    combine(intermediate [T, k, H], out [T, H]): writes
     the top-k reduction of the down GEMM's output (already multiplied by the
     routing weights) into out; None = an fp32 sum over k (one Triton launch).
     The three let a caller reproduce another fused MoE's arithmetic exactly
     (``rimuru_patches`` passes SGLang's). out: optional [T, H] output
-    (hidden's dtype). validate: host
+    (hidden's dtype). host_pages: 1-D tensor of unpadded I*H pages (pinned host
+    memory for CUDA tensors). validate: host
     checks of routed ids and their pages (syncs; not CUDA-graph safe);
     None = on for CPU tensors or when RIMURU_KERNELS_VALIDATE=1. Without it a
     routed expert with page -1 contributes zero. upcast: feed fp32 to tl.dot
@@ -470,7 +536,7 @@ def paged_fused_moe(
     SiLU*up are stored in hidden's dtype, like SGLang's fused MoE. One token
     (T == 1) skips the alignment kernel (slot blocks, same output).
     """
-    _check_inputs(hidden, pool, page_table, topk_weights, topk_ids, inter_size, page_elems, out)
+    _check_inputs(hidden, pool, page_table, topk_weights, topk_ids, inter_size, page_elems, out, host_pages)
     T, H = hidden.shape
     E, top_k = page_table.shape[0], topk_ids.shape[1]
     I = inter_size
@@ -483,7 +549,8 @@ def paged_fused_moe(
     if validate is None:
         validate = hidden.device.type == "cpu" or os.environ.get("RIMURU_KERNELS_VALIDATE") == "1"
     if validate:
-        _validate_pages(pool, page_table, topk_ids, I, H, page_elems)
+        _validate_pages(pool, page_table, topk_ids, I, H, page_elems, host_pages)
+    host = dict(host_base=_host_base(pool, host_pages), host_page_elems=I * H)
     if upcast is None:
         upcast = INTERPRETED and hidden.dtype == torch.bfloat16
     if out is None:
@@ -520,20 +587,20 @@ def paged_fused_moe(
         _launch_gemm(hidden, act, pool, page_table, topk_weights, aligned,
                      N=I, K=H, rows_per_page=I, slot_base=0, top_k=top_k,
                      mul_routed_weight=False, page_elems=page_elems, config=fused,
-                     options=_checked_config("config", fused), upcast=upcast, fuse_silu=True)
+                     options=_checked_config("config", fused), upcast=upcast, fuse_silu=True, **host)
     else:
         gate_up = torch.empty(rows, 2 * I, dtype=hidden.dtype, device=hidden.device)
         _launch_gemm(hidden, gate_up, pool, page_table, topk_weights, aligned,
                      N=2 * I, K=H, rows_per_page=I, slot_base=0, top_k=top_k,
                      mul_routed_weight=False, page_elems=page_elems, config=config,
-                     options=up_options, upcast=upcast)
+                     options=up_options, upcast=upcast, **host)
         act_and_mul(gate_up, act)
 
     down = torch.empty(rows, H, dtype=hidden.dtype, device=hidden.device)
     _launch_gemm(act, down, pool, page_table, topk_weights, aligned,
                  N=H, K=I, rows_per_page=H, slot_base=2, top_k=1,
                  mul_routed_weight=True, page_elems=page_elems, config=down_config,
-                 options=down_options, upcast=upcast)
+                 options=down_options, upcast=upcast, **host)
 
     (combine or _sum_top_k)(down.view(T, top_k, H), out)
     return out

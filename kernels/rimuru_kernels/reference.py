@@ -14,14 +14,19 @@ def expert_weights_from_pool(
     inter_size: int,
     hidden_size: int,
     page_elems: int,
+    host_pages: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(W1 [I, H], W3 [I, H], W2 [H, I]) of one expert: views into the pool."""
+    """(W1 [I, H], W3 [I, H], W2 [H, I]) of one expert: views into the pool, or into
+    ``host_pages`` (unpadded I*H pages) for entries ``-2 - h``."""
     I, H = inter_size, hidden_size
     p1, p3, p2 = (int(p) for p in page_table[expert].tolist())
-    if min(p1, p3, p2) < 0:
+    if -1 in (p1, p3, p2):
         raise ValueError(f"expert {expert} has page id -1: {[p1, p3, p2]}")
 
     def page(p: int) -> torch.Tensor:
+        if p <= -2:
+            h = -2 - p
+            return host_pages[h * I * H : (h + 1) * I * H]
         return pool[p * page_elems : p * page_elems + I * H]
 
     return page(p1).view(I, H), page(p3).view(I, H), page(p2).view(H, I)
@@ -48,6 +53,7 @@ def paged_fused_moe_reference(
     *,
     inter_size: int,
     page_elems: int,
+    host_pages: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What ``paged_fused_moe`` computes, in fp32 ([T, H] float32)."""
     H = hidden.shape[1]
@@ -56,7 +62,8 @@ def paged_fused_moe_reference(
         topk_weights,
         topk_ids,
         lambda e: expert_weights_from_pool(
-            pool, page_table, e, inter_size=inter_size, hidden_size=H, page_elems=page_elems
+            pool, page_table, e, inter_size=inter_size, hidden_size=H, page_elems=page_elems,
+            host_pages=host_pages,
         ),
     )
 

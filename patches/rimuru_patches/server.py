@@ -168,6 +168,12 @@ def prepare(argv: list[str]):
     if config.enabled:
         _check_pool_plan(args, config)
 
+    if config.record_routing and not args.disable_cuda_graph and device != "cpu":
+        # The recorder counts on the host after every pass; a replayed graph runs no Python.
+        args.disable_cuda_graph = True
+        print(f"{PROG}: --rimuru-record-routing records eager passes only (--disable-cuda-graph)",
+              file=sys.stderr)
+
     if config.mode == "elastic" and not args.disable_overlap_schedule:
         # Orders are applied between forward passes; the overlap scheduler plans
         # round r + 1 while pass r still runs.

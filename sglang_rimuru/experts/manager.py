@@ -1,22 +1,32 @@
 """``ExpertManager``: the worker side of expert residency -- page tables, copies, compute.
 
-Called from SGLang's MoE layer on the TP worker, layer by layer, in forward order::
+Called from SGLang's MoE layer on the TP worker, layer by layer, in forward order.
+Two ways to make every routed expert readable:
 
     manager.begin_forward()
     for each MoE layer l (position p in shape.layer_ids):
-        manager.prefetch_next(l, hidden)          # guess layer p+1's experts, copy them
-        table = manager.prepare_layer(l, topk_ids) # make every routed expert readable
+        # copy path (eager, large batches): offloaded routed experts are copied
+        # into a load buffer; reads routing on the host (one sync per layer)
+        manager.prefetch_next(l, hidden)           # guess layer p+1's experts, copy them
+        table = manager.prepare_layer(l, topk_ids) # copy what is routed and missing
+        # zero-copy path (CUDA graphs, small batches): nothing to do on the host
+        table = manager.table(l)                   # offloaded experts read from pinned host memory
         out = manager.compute(l, hidden, topk_weights, topk_ids, table)
     manager.end_forward()
 
 State map::
 
-    _tables[l]        int32 [E, 3] on device, persistent, updated in place:
+    _tables[l]        int32 [E, 3] on device, persistent ("home" table; what a CUDA
+                      graph captured reads at every replay), updated in place only
+                      between forward passes (refresh_tables):
                         resident expert e -> its pages (W1, W3, W2)
-                        offloaded e routed in the last prepare_layer(l) -> its load-buffer slot's pages
-                        every other row   -> -1
-    _loaded_rows[l]   {expert: pages} of the rows above that point into the load buffer
-                      (or at a restore's reserved pages, once its copy is ordered)
+                        offloaded e       -> its host pages -2 - (3e + m) when the device
+                                             reads the host store in place (pinned CUDA
+                                             memory, or CPU), else -1
+    _work[l]          int32 [E, 3], the copy path's table: the home rows, except
+                      _loaded_rows[l] {expert: pages}: offloaded experts routed in the
+                      last prepare_layer(l), pointing into the load buffer (or at a
+                      restore's reserved pages, once its copy is ordered)
     _bufs[b]          what buffer b holds *in this forward*: the layer and {expert: slot};
                       forgotten by begin_forward (prefetches live within one forward)
     _offloaded_now[l] the offloaded experts of l (ranking order) as of the last table
@@ -38,7 +48,9 @@ Streams (CUDA only; on CPU every copy is synchronous and the flow is the same):
 
 ``prepare_layer`` and ``prefetch_next`` read routing on the host (one device
 sync each) whenever the layer has offloaded experts: not CUDA-graph safe in
-that case.  A layer with every expert resident returns its table without a sync.
+that case.  ``table(l)`` never syncs and never points into a load buffer, so
+a graph that captured it stays right across evictions and restores: those
+change ``_tables`` in place between passes (no recapture).
 """
 
 from __future__ import annotations
@@ -76,6 +88,7 @@ class ExpertStats:
     restored: int = 0  # experts copied into their own pages by start_uploads (restores)
     restore_hits: int = 0  # routed experts read from a restore's pages in the pass that copied them
     bytes_copied: int = 0  # host -> device bytes of all those copies
+    in_place_layers: int = 0  # layer calls that read offloaded experts from the host in place (eager only)
 
     @property
     def prefetch_hit_rate(self) -> float:
@@ -125,12 +138,14 @@ class ExpertManager:
     """Per-layer page tables over resident experts and the two load buffers.
 
     Contract:
-      * ``table(l)`` / the tensor ``prepare_layer(l, ...)`` returns is the same
-        persistent ``int32 [E, 3]`` tensor every step (its address never changes);
+      * ``table(l)`` and the tensor ``prepare_layer(l, ...)`` returns are
+        persistent ``int32 [E, 3]`` tensors (their addresses never change);
+      * ``table(l)`` holds resident pages and, with ``host_reads``, host pages for
+        every other expert: nothing routed ever reads page -1 (contributes zero);
       * after ``prepare_layer(l, topk_ids)``, every expert in ``topk_ids`` has a
         row that points at pages holding its weights (resident pages or a
         load-buffer slot), and the compute stream is ordered after the copies;
-      * the rows of experts that are neither resident nor routed in that step are -1;
+      * the other rows of that table are the home rows;
       * resident-set changes (``ExpertResidency.evict`` / ``admit``) reach the
         tables at ``begin_forward`` / ``end_forward`` / ``refresh_tables()``,
         never in the middle of a layer.
@@ -145,6 +160,7 @@ class ExpertManager:
         load_buffers: LoadBuffers,
         gates: dict[int, torch.Tensor] | None,
         device: torch.device | str,
+        host_reads: bool | None = None,
     ) -> None:
         for name, obj in (("residency", residency), ("host_store", host_store),
                           ("load_buffers", load_buffers)):
@@ -170,8 +186,18 @@ class ExpertManager:
         self.pool_flat = pool_buffer.expert_pages_flat(shape.dtype)
 
         e = shape.num_experts
+        #: offloaded experts are read in place from the host store (zero-copy): pinned
+        #: memory is mapped into the device's address space; on CPU it is just memory.
+        #: Without it an offloaded expert's home row is -1 (the copy path must run).
+        can = self.device.type == "cpu" or host_store.pinned
+        if host_reads and not can:
+            raise ValueError("host_reads needs a pinned host store on CUDA")
+        self.host_reads = can if host_reads is None else bool(host_reads)
         self._tables = {l: torch.full((e, 3), -1, dtype=torch.int32, device=self.device)
                         for l in shape.layer_ids}
+        self._work = {l: torch.full((e, 3), -1, dtype=torch.int32, device=self.device)
+                      for l in shape.layer_ids}
+        self._home_rows: dict[int, list[tuple[int, int, int]]] = {}
         self._table_version = {l: -1 for l in shape.layer_ids}
         self._offloaded_now: dict[int, list[int]] = {}  # per layer, at the last refresh
         self._loaded_rows: dict[int, dict[int, int]] = {l: {} for l in shape.layer_ids}
@@ -183,7 +209,7 @@ class ExpertManager:
         #: what compute_cuda passes the paged kernel (set once, e.g. by the SGLang seam)
         self.kernel_hooks = KernelHooks()
         self._n = dict(forwards=0, layers_prepared=0, prefetched=0, prefetch_hits=0,
-                       on_demand_loads=0, restored=0, restore_hits=0, bytes_copied=0)
+                       on_demand_loads=0, restored=0, restore_hits=0, bytes_copied=0, in_place_layers=0)
 
         self._cuda = self.device.type == "cuda"
         if self._cuda:
@@ -229,10 +255,10 @@ class ExpertManager:
         """
         pos = self.shape.position(layer_id)
         self._n["layers_prepared"] += 1
-        table = self._tables[layer_id]
+        table = self._work[layer_id]
         offloaded = self._offloaded_now[layer_id]
         if not offloaded and not self._loaded_rows[layer_id]:
-            return table  # every expert resident: no sync, graph-safe
+            return self._tables[layer_id]  # every expert resident: no sync, graph-safe
         ids = torch.unique(topk_ids).tolist()  # device sync
         e_count = self.shape.num_experts
         if ids and (ids[0] < 0 or ids[-1] >= e_count):
@@ -270,6 +296,12 @@ class ExpertManager:
             if misses:
                 compute.wait_event(self._load_ev[b])
         return table
+
+    def note_in_place(self, layer_id: int) -> None:
+        """Count a layer call that reads through ``table(layer_id)`` (zero-copy). Host
+        counters only: a CUDA graph's replays run no Python."""
+        if self._offloaded_now[layer_id]:
+            self._n["in_place_layers"] += 1
 
     def prefetch_next(self, layer_id: int, hidden_states: torch.Tensor) -> None:
         """Guess the next MoE layer's experts from this layer's MoE input and copy them.
@@ -318,7 +350,7 @@ class ExpertManager:
         return self.compute_cpu(layer_id, hidden, topk_weights, topk_ids, table)
 
     def compute_cuda(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, table: torch.Tensor,
+                          topk_ids: torch.Tensor, table: torch.Tensor,
                      config: dict | None = None, down_config: dict | None = None,
                      hooks: KernelHooks | None = None) -> torch.Tensor:
         """The paged Triton kernel (``rimuru_kernels.paged_fused_moe``) over the pool.
@@ -339,7 +371,8 @@ class ExpertManager:
         return paged_fused_moe(hidden, self.pool_flat, table, topk_weights, topk_ids,
                                inter_size=self.shape.inter, page_elems=self.page_elems,
                                config=config, down_config=down_config,
-                               act_and_mul=hooks.act_and_mul, combine=hooks.combine)
+                               act_and_mul=hooks.act_and_mul, combine=hooks.combine,
+                               host_pages=self.host_pages(layer_id))
 
     def compute_cpu(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -368,15 +401,15 @@ class ExpertManager:
                 continue
             tokens_for_this_expert = sorted_tokens[start_idx:end_idx]
             p1, p3, p2 = rows[i]
-            if min(p1, p3, p2) < 0:
+            if -1 in (p1, p3, p2):
                 raise ExpertNotPreparedError(
                     f"layer {layer_id}: expert {i} is routed but its table row is {rows[i]} "
                     f"(call prepare_layer first)")
-            w13 = torch.cat((self._page(p1, 0), self._page(p3, 1)))
+            w13 = torch.cat((self._page(layer_id, p1, 0), self._page(layer_id, p3, 1)))
             gate_up = F.linear(tokens_for_this_expert, w13)
             d = gate_up.shape[-1] // 2
             gate_up = F.silu(gate_up[..., :d]) * gate_up[..., d:]
-            expert_out = F.linear(gate_up, self._page(p2, 2))
+            expert_out = F.linear(gate_up, self._page(layer_id, p2, 2))
             outputs.append(expert_out)
             start_idx = end_idx
 
@@ -396,24 +429,45 @@ class ExpertManager:
     # ================================================================ tables, state
 
     def table(self, layer_id: int) -> torch.Tensor:
-        """The persistent ``int32 [E, 3]`` page table of ``layer_id``."""
+        """The persistent home ``int32 [E, 3]`` page table of ``layer_id``: resident
+        experts' pages, offloaded experts' host pages (``host_reads``) or -1.
+
+        Every routed expert is readable through it without a host round trip
+        when ``host_reads``: the zero-copy path, what CUDA graphs capture."""
         self.shape.check_layer(layer_id)
         return self._tables[layer_id]
 
+    def host_pages(self, layer_id: int) -> torch.Tensor | None:
+        """The host store of ``layer_id`` as flat pages (host page ``3e + m`` = matrix
+        m of expert e), the kernel's ``host_pages``; None without ``host_reads``."""
+        return self.host_store.layer_tensor(layer_id).view(-1) if self.host_reads else None
+
+    def home_row(self, layer_id: int, expert: int) -> tuple[int, int, int]:
+        """What the home table holds for ``expert`` (see ``table``)."""
+        return self._home_rows[layer_id][expert]
+
     def refresh_tables(self) -> None:
         """Rewrite the tables of layers whose resident set changed: resident rows get
-        their pages, every other row -1 (rows into the load buffer are dropped)."""
+        their pages, every other row its host pages (or -1 without ``host_reads``);
+        the copy path's rows into the load buffer are dropped."""
         for l in self.shape.layer_ids:
             v = self.residency.version(l)
             if v == self._table_version[l]:
                 continue
-            host = torch.full((self.shape.num_experts, 3), -1, dtype=torch.int32)
+            rows = [self._host_row(e) for e in range(self.shape.num_experts)]
             for e, pages in self.residency.resident_pages(l).items():
-                host[e] = torch.tensor(pages, dtype=torch.int32)
-            self._tables[l].copy_(host)
+                rows[e] = tuple(pages)
+            self._home_rows[l] = rows
+            self._tables[l].copy_(torch.tensor(rows, dtype=torch.int32))
+            self._work[l].copy_(self._tables[l])
             self._loaded_rows[l] = {}
             self._offloaded_now[l] = self.residency.offloaded(l)
             self._table_version[l] = v
+
+    def _host_row(self, expert: int) -> tuple[int, int, int]:
+        if not self.host_reads:
+            return (-1, -1, -1)
+        return tuple(-2 - (3 * expert + m) for m in range(3))
 
     def upload_resident(self) -> None:
         """Copy every resident expert's weights from the host store into its pages
@@ -497,9 +551,14 @@ class ExpertManager:
                 raise ValueError(f"gates[{l}] is on {g.device}, expected {self.device}")
         return dict(gates)
 
-    def _page(self, page: int, m: int) -> torch.Tensor:
+    def _page(self, layer: int, page: int, m: int) -> torch.Tensor:
+        """Matrix ``m`` on pool page ``page``, or on host page ``-2 - page`` of ``layer``."""
+        me = self.shape.matrix_elems
+        if page <= -2:
+            h = -2 - page
+            return self.host_store.layer_tensor(layer).view(-1)[h * me: (h + 1) * me].view(self.shape.matrix_shape(m))
         start = page * self.page_elems
-        return self.pool_flat[start: start + self.shape.matrix_elems].view(self.shape.matrix_shape(m))
+        return self.pool_flat[start: start + me].view(self.shape.matrix_shape(m))
 
     def _copy_expert(self, layer: int, expert: int, pages: tuple[int, int, int],
                      non_blocking: bool) -> None:
@@ -556,20 +615,21 @@ class ExpertManager:
             self._load_ev[b].record(stream)
 
     def _update_rows(self, layer: int, rows: dict[int, tuple[int, int, int]]) -> None:
-        """Point ``rows`` (expert -> pages) at their pages; reset stale ones to -1."""
+        """Point the working table's ``rows`` (expert -> pages) at their pages; reset
+        stale ones to their home rows."""
         old = self._loaded_rows[layer]
         if old == rows:
             return
         changes = []
         for e, s in old.items():
             if e not in rows:
-                changes.append((e, -1, -1, -1))
+                changes.append((e, *self._home_rows[layer][e]))
         for e, pages in rows.items():
             if old.get(e) != pages:
                 changes.append((e, *pages))
         if changes:
             upd = torch.tensor(changes, dtype=torch.int32).to(self.device)
-            self._tables[layer][upd[:, 0].long()] = upd[:, 1:]
+            self._work[layer][upd[:, 0].long()] = upd[:, 1:]
         self._loaded_rows[layer] = dict(rows)
 
     def __repr__(self) -> str:

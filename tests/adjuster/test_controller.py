@@ -141,7 +141,7 @@ def test_demand_evicts_and_pages_free_only_after_the_forward_pass(elastic, caplo
         "[L0E2, L1E2, L1E3] in [-]; resident 15/24; pool expert pages: experts 45, load buffers "
         "24, KV 0 (0 KV pages used), free 15; waiting requests 1"]
     e.worker.manager.refresh_tables()  # what the next begin_forward does
-    assert e.worker.manager.table(0)[2].tolist() == [-1, -1, -1]
+    assert e.worker.manager.table(0)[2].tolist() == [-8, -9, -10]  # read from its host pages now
     assert ctl.snapshot() == dict(
         resident_experts=15, offloaded_experts=9, expert_pages=45, other_expert_pages=24,
         kv_split_expert_pages=0, free_expert_pages=15, kv_pages_used=0, refused_orders=0,

@@ -104,8 +104,13 @@ def make_rig(shape: MoEShape | None = None, *, ranking: ExpertRanking | None = N
 
 
 def rows(table: torch.Tensor) -> dict[int, tuple[int, int, int]]:
-    """Table rows that are not -1, as {expert: pages}."""
-    return {e: tuple(r) for e, r in enumerate(table.tolist()) if r != [-1, -1, -1]}
+    """Table rows pointing at pool pages, as {expert: pages} (not host pages, not -1)."""
+    return {e: tuple(r) for e, r in enumerate(table.tolist()) if min(r) >= 0}
+
+
+def host_row(expert: int) -> list[int]:
+    """The home-table row of an offloaded expert: its host pages -2 - (3e + m)."""
+    return [-2 - (3 * expert + m) for m in range(3)]
 
 
 def page_holds(rig: Rig, page: int, layer: int, expert: int, m: int) -> bool:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from sglang_rimuru.experts import ExpertNotPreparedError, ExpertRanking
+from sglang_rimuru.experts import ExpertManager, ExpertNotPreparedError, ExpertRanking
 
 from .rig import make_rig, tiny_shape
 
@@ -207,12 +207,30 @@ def test_zero_tokens() -> None:
     assert out.shape == (0, 8) and out.dtype == torch.bfloat16
 
 
-def test_unprepared_expert_is_an_error() -> None:
+def test_unprepared_offloaded_expert_is_read_from_the_host() -> None:
+    # The home table points offloaded experts at their host pages: no copy, no sync,
+    # the same output as after prepare_layer copied them (what CUDA graphs replay).
     rig = make_rig()
+    m = rig.manager
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    ids = torch.tensor([[3, 2], [7, 6], [2, 0]], dtype=torch.int32)
+    w = torch.rand(3, 2, generator=torch.Generator().manual_seed(2))
+    assert m.table(0)[2].tolist() == [-8, -9, -10]  # host pages 6, 7, 8 of layer 0
+    zero_copy = m.compute_cpu(0, x, w, ids, m.table(0))
+    m.begin_forward()
+    copied = m.compute_cpu(0, x, w, ids, m.prepare_layer(0, ids))
+    m.end_forward()
+    assert torch.equal(zero_copy, copied)
+    assert m.table(0)[2].tolist() == [-8, -9, -10]  # the copy path never touches the home table
+
+
+def test_unprepared_expert_without_host_reads_is_an_error() -> None:
+    rig = make_rig()
+    m = ExpertManager(rig.shape, rig.buffer, rig.residency, rig.host, rig.buffers, None, "cpu", host_reads=False)
+    assert m.table(0)[2].tolist() == [-1, -1, -1]
     x = torch.zeros(1, 8, dtype=torch.bfloat16)
     with pytest.raises(ExpertNotPreparedError, match=r"expert 2 is routed but its table row is"):
-        rig.manager.compute_cpu(0, x, torch.ones(1, 2), torch.tensor([[3, 2]], dtype=torch.int32),
-                                rig.manager.table(0))
+        m.compute_cpu(0, x, torch.ones(1, 2), torch.tensor([[3, 2]], dtype=torch.int32), m.table(0))
 
 
 def test_reference_is_sglangs_verbatim() -> None:

@@ -8,7 +8,7 @@ import torch
 
 from sglang_rimuru.experts import BufferContent, ExpertManager, ExpertStats
 
-from .rig import make_rig, page_holds, rows, tiny_shape
+from .rig import host_row, make_rig, page_holds, rows, tiny_shape
 
 LAYER0 = {3: (0, 1, 2), 1: (3, 4, 5), 4: (6, 7, 8), 0: (9, 10, 11), 5: (12, 13, 14)}
 LAYER1 = {7: (15, 16, 17), 6: (18, 19, 20), 5: (21, 22, 23), 4: (24, 25, 26), 3: (27, 28, 29)}
@@ -28,12 +28,13 @@ def tokens(*picks: dict[int, float]) -> torch.Tensor:
     return h
 
 
-def test_initial_tables_are_resident_pages_and_minus_one() -> None:
+def test_initial_tables_are_resident_pages_and_host_pages() -> None:
     m = make_rig().manager
     assert rows(m.table(0)) == LAYER0 and rows(m.table(1)) == LAYER1
     t = m.table(0)
     assert t.dtype == torch.int32 and tuple(t.shape) == (8, 3)
-    assert t[2].tolist() == t[6].tolist() == t[7].tolist() == [-1, -1, -1]
+    assert [t[e].tolist() for e in (2, 6, 7)] == [host_row(2), host_row(6), host_row(7)]
+    assert m.host_pages(0).data_ptr() == m.host_store.layer_tensor(0).data_ptr()
     assert m.stats() == ExpertStats()
 
 
@@ -41,8 +42,10 @@ def test_forward_with_prefetch_hit_miss_and_stale_rows() -> None:
     rig = make_rig()
     m = rig.manager
     m.begin_forward()
+    home = m.table(0).clone()
     t0 = m.prepare_layer(0, ids((3, 2), (7, 1), (2, 6)))
-    assert t0 is m.table(0)  # the persistent tensor
+    assert t0 is not m.table(0)  # the copy path's own persistent table
+    assert torch.equal(m.table(0), home)  # the home table (what graphs read) never points into a buffer
     # offloaded 2, 7, 6 all routed: misses into buffer 0, ranking order 2, 7, 6
     assert rows(t0) == {**LAYER0, 2: (30, 31, 32), 7: (33, 34, 35), 6: (36, 37, 38)}
     assert m.buffer_content(0) == BufferContent(0, {2: 0, 7: 1, 6: 2})
@@ -56,8 +59,9 @@ def test_forward_with_prefetch_hit_miss_and_stale_rows() -> None:
     assert page_holds(rig, 39, 1, 1, 0) and page_holds(rig, 44, 1, 0, 2)
     assert rows(m.table(1)) == LAYER1  # the table changes only in prepare_layer
     t1 = m.prepare_layer(1, ids((1, 5), (2, 3), (1, 2)))
-    # 1: hit in slot 0; 2: miss into the lowest empty slot 2; 0 prefetched but not routed: -1
+    # 1: hit in slot 0; 2: miss into the lowest empty slot 2; 0 prefetched but not routed: host
     assert rows(t1) == {**LAYER1, 1: (39, 40, 41), 2: (45, 46, 47)}
+    assert t1[0].tolist() == host_row(0)
     assert m.buffer_content(1) == BufferContent(1, {1: 0, 0: 1, 2: 2})
     assert page_holds(rig, 46, 1, 2, 1)
     assert m.stats() == ExpertStats(forwards=1, layers_prepared=2, prefetched=2, prefetch_hits=1,
@@ -70,8 +74,9 @@ def test_forward_with_prefetch_hit_miss_and_stale_rows() -> None:
     m.begin_forward()
     assert m.buffer_content(0) == m.buffer_content(1) == BufferContent(None, {})
     t0 = m.prepare_layer(0, ids((3, 7), (1, 4)))
-    # the buffer was forgotten: 7 is loaded again, into slot 0; rows of 2 and 6 are reset
+    # the buffer was forgotten: 7 is loaded again, into slot 0; rows of 2 and 6 back to host
     assert rows(t0) == {**LAYER0, 7: (30, 31, 32)}
+    assert t0[2].tolist() == host_row(2) and t0[6].tolist() == host_row(6)
     assert page_holds(rig, 30, 0, 7, 0)
     t0 = m.prepare_layer(0, ids((3, 4),))  # a second step of the same layer: only resident
     assert rows(t0) == LAYER0

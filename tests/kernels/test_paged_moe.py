@@ -191,3 +191,48 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         paged_fused_moe(p.hidden, p.pool, p.page_table, p.topk_weights, p.topk_ids,
                         inter_size=p.inter_size, page_elems=p.page_elems)
+
+
+def move_to_host(p, experts, extra=()):
+    """Move the matrices of ``experts`` (and ``extra`` (expert, matrix) pairs) out of the
+    pool into unpadded host pages; the pool pages are NaN-poisoned, the table rows
+    get ``-2 - h``. Returns the host pages tensor (pinned when the pool is on CUDA)."""
+    I, H = p.inter_size, p.hidden.shape[1]
+    moves = [(e, m) for e in experts for m in range(3)] + list(extra)
+    table = p.page_table.cpu().clone()
+    host = torch.empty(len(moves) * I * H, dtype=p.pool.dtype, pin_memory=p.pool.is_cuda)
+    for h, (e, m) in enumerate(moves):
+        page = int(table[e, m])
+        host[h * I * H:(h + 1) * I * H].copy_(p.pool[page * p.page_elems: page * p.page_elems + I * H])
+        p.pool[page * p.page_elems: (page + 1) * p.page_elems] = float("nan")
+        table[e, m] = -2 - h
+    p.page_table.copy_(table)
+    return host
+
+
+@pytest.mark.parametrize("T", [1, 7, 33])
+@pytest.mark.parametrize("I, fused", [(48, True), (48, False), (64, True), (64, False)])
+def test_host_pages_read_in_place_equal_pool_pages(T, I, fused):
+    # I=48: tiles span W1/W3 (per-column lookup); I=64 with BLOCK_N=32: one page per
+    # tile (TILE_IN_PAGE). Experts 1 and 6 wholly on the host, expert 3's W3 alone.
+    p = make_problem(T, I=I, routing="skewed", seed=40 + T)
+    config = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 1}
+    kw = {"config": config}
+    if not fused:
+        kw["act_and_mul"] = lambda x, out: out.copy_(
+            (torch.nn.functional.silu(x[:, :I].float()) * x[:, I:].float()).to(out.dtype))
+    want = run(p, **kw)
+    host = move_to_host(p, (1, 6), extra=[(3, 1)])
+    got = run(p, host_pages=host, **kw)
+    assert torch.equal(got, want)  # the same loads and dots, from other addresses
+    ref = paged_fused_moe_reference(p.hidden, p.pool, p.page_table, p.topk_weights, p.topk_ids,
+                                    inter_size=p.inter_size, page_elems=p.page_elems, host_pages=host)
+    assert rel_err(got, ref) < 1e-5
+
+
+def test_host_page_past_the_host_tensor_is_refused_when_validating():
+    p = make_problem(5, seed=50)
+    host = move_to_host(p, (0, 1, 2, 3, 4, 5, 6, 7))
+    with pytest.raises(ValueError, match=r"reads host pages \[.*\], host_pages holds 6"):
+        paged_fused_moe(p.hidden, p.pool, p.page_table, p.topk_weights, p.topk_ids, inter_size=p.inter_size,
+                        page_elems=p.page_elems, host_pages=host[: 6 * p.inter_size * 64], validate=True)

@@ -18,7 +18,8 @@ from tests.conftest import generate, start_server
 
 pytestmark = pytest.mark.server
 
-STATIC = ["--rimuru-mode", "static", "--rimuru-resident-experts", "4", "--rimuru-expert-offload-limit", "4"]
+STATIC = ["--rimuru-mode", "static", "--rimuru-resident-experts", "4", "--rimuru-expert-offload-limit", "4",
+          "--rimuru-zero-copy-max-tokens", "0"]  # every pass copies: the load-buffer path under test
 SYSTEM = "You are a helpful assistant that answers briefly about paged experts. "
 
 PROMPTS_16 = [f"prompt {i}: " + "tokens " * (i % 5 + 1) + chr(65 + i) for i in range(16)]

@@ -302,23 +302,46 @@ class RimuruRuntime:
             return
         logger.info(
             "sglang-rimuru experts after %d forwards: %d prefetched, %d prefetch hits (%.0f%%), "
-            "%d on-demand loads, %.1f MiB copied host->device",
+            "%d on-demand loads, %.1f MiB copied host->device; %d layer calls read offloaded experts "
+            "in place (outside CUDA graphs)",
             stats.forwards,
             stats.prefetched,
             stats.prefetch_hits,
             100 * stats.prefetch_hit_rate,
             stats.on_demand_loads,
             stats.bytes_copied / (1 << 20),
+            stats.in_place_layers,
         )
 
+    def reads_in_place(self, hidden: torch.Tensor) -> bool:
+        """Whether this pass reads offloaded experts from pinned host memory in place.
+
+        Always under CUDA-graph capture (the copy path reads routing on the host,
+        which a graph cannot); otherwise for batches up to ``--rimuru-zero-copy-max-tokens``,
+        where each offloaded expert is read about once, so PCIe carries the same
+        bytes a copy would, without the host round trip per layer. Larger batches
+        (prefill) read each expert's weights once per block of tokens, so they copy.
+        """
+        if not self.manager.host_reads:
+            return False
+        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+            return True
+        return hidden.shape[0] <= self.config.zero_copy_max_tokens
+
     def moe_forward(self, layer, dispatch_output):
-        """The MoE of one managed layer, experts read from the pool and load buffers."""
+        """The MoE of one managed layer, experts read from the pool, the load buffers
+        or (in place) pinned host memory."""
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
 
         x = dispatch_output.hidden_states
         topk_weights, topk_ids = dispatch_output.topk_output[:2]
-        # The next layer's predicted loads go out first, so they overlap this layer's compute.
-        self.manager.prefetch_next(layer.layer_id, x)
-        table = self.manager.prepare_layer(layer.layer_id, topk_ids)
-        out = self.manager.compute(layer.layer_id, x, topk_weights, topk_ids, table)
+        lid = layer.layer_id
+        if self.reads_in_place(x):
+            table = self.manager.table(lid)  # resident pages + host pages: nothing to wait for
+            self.manager.note_in_place(lid)
+        else:
+            # The next layer's predicted loads go out first, so they overlap this layer's compute.
+            self.manager.prefetch_next(lid, x)
+            table = self.manager.prepare_layer(lid, topk_ids)
+        out = self.manager.compute(lid, x, topk_weights, topk_ids, table)
         return StandardCombineInput(hidden_states=out)
