@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Real-shape serving on the lent H200 (issues 10 and 11), one call:
+#   the paged kernel's host pages on CUDA (gpu tests), then the Qwen1.5-MoE-A2.7B
+#   shape (dummy weights) on an emulated 32 GB card WITH CUDA graphs, served
+#   off / static / elastic, each probed by serve_probe.py (greedy ids, a ~4.7k
+#   token prefill, decode step times); static/elastic ids compared with off.
+#   run from the repo root on the device, with .carry and .devdata carried
+#   STAGES (default "tests off static elastic") picks the parts.
+set -uo pipefail
+source bench/device/setup_device.sh
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/models
+tar xzf .devdata/models.tgz -C /tmp/models
+MODEL=${MODEL:-/tmp/models/q15}
+STAGES=${STAGES:-"tests off static elastic"}
+# SGLang's defaults on this machine, CUDA graphs on; the card emulated as SGLang sizes a 32 GB one
+FLAGS="--attention-backend triton --sampling-backend pytorch --grammar-backend none --load-format dummy \
+ --cuda-graph-max-bs ${MAX_BS:-64} --mem-fraction-static ${FRACTION:-0.2019} --chunked-prefill-size 2048 ${EXTRA_FLAGS:-}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+
+serve() {  # serve NAME PORT FLAGS...: start, wait for /health (stop early if it died)
+    local name=$1; PORT=$2; shift 2
+    t0=$(date +%s)
+    setsid python3 -m sglang_rimuru.launch_server --model-path $MODEL $FLAGS --port $PORT "$@" \
+        > "$OUT/$name.log" 2>&1 &
+    server=$!
+    for _ in $(seq 420); do
+        kill -0 $server 2>/dev/null || { echo "$name server exited:"; grep -a -v Warn "$OUT/$name.log" | tail -25; return 1; }
+        curl -sf http://127.0.0.1:$PORT/health >/dev/null && { echo "$name ready in $(( $(date +%s) - t0 )) s"; return 0; }
+        sleep 1
+    done
+    echo "$name not ready"; return 1
+}
+peak_mem() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; }
+probe() {  # probe NAME: run serve_probe, keep the pool lines and GPU memory
+    timeout ${PROBE_S:-150} python3 bench/device/serve_probe.py http://127.0.0.1:$PORT "$OUT/$1.json" \
+        --batches ${BATCHES:-1,32} 2>&1 | tail -8
+    echo "$1 GPU memory used: $(peak_mem) MiB"
+    grep -a "sglang-rimuru .* pool:\|Traceback\|Error\|error" "$OUT/$1.log" | grep -av "warn" | head -6
+}
+run() { serve "$@" && probe $1; kill -- -$server 2>/dev/null; sleep 3; }
+
+for stage in $STAGES; do
+    case $stage in
+    tests)
+        timeout 60 python3 bench/device/zero_copy_diag.py "$OUT/zero_copy_diag.json" 2>&1 | tail -4
+        timeout 200 python3 -m pytest -q -p no:cacheprovider -x --tb=short tests/kernels/test_paged_moe.py -k "host" \
+            2>&1 | grep -av -i warn | tail -30 ;;
+    off) run off 30000 ;;
+    sweep) timeout ${SWEEP_S:-150} python3 bench/kernel/zero_copy_sweep.py --out "$OUT/zero_copy_sweep.json" \
+        --budget-s $(( ${SWEEP_S:-150} - 40 )) 2>&1 | grep -av -i warn | tail -45 ;;
+    static_all) run static_all 30003 --rimuru-mode static --rimuru-resident-experts 60 --rimuru-expert-offload-limit 0 ;;
+    static) BATCHES=${STATIC_BATCHES:-${BATCHES:-1,32}} run static 30001 --rimuru-mode static \
+        --rimuru-resident-experts 50 --rimuru-expert-offload-limit 10 ;;
+    elastic) run elastic 30002 --rimuru-mode elastic --rimuru-expert-offload-limit 20 \
+        --rimuru-adjuster-trace "$OUT/elastic_trace.jsonl" ;;
+    esac
+done
+python3 - "$OUT" <<'PY'
+import json, os, sys
+d = sys.argv[1]
+res = {n: json.load(open(f"{d}/{n}.json")) for n in ("off", "static_all", "static", "elastic")
+       if os.path.exists(f"{d}/{n}.json")}
+if "off" in res:
+    for n in ("static_all", "static", "elastic"):
+        if n in res:
+            a, b = res["off"], res[n]
+            print(n, "vs off: short ids equal", a.get("short_ids") == b.get("short_ids"), "| long ids equal",
+                  a.get("long", {}).get("ids") == b.get("long", {}).get("ids"), "| batch16 equal",
+                  sum(x == y for x, y in zip(a.get("batch16_ids", []), b.get("batch16_ids", []))), "/ 16")
+for n, r in res.items():
+    print(n, "decode ms/step:", {x["batch"]: round(x["step_ms_median"] or -1, 3) for x in r["decode"]},
+          "| long prefill s:", round(r.get("long", {}).get("s", -1), 3), "| errors:", r.get("errors"))
+if "off" in res and "static_all" in res:
+    off = {x["batch"]: x["step_ms_median"] for x in res["off"]["decode"]}
+    print("static_all / off per batch:", {x["batch"]: round(x["step_ms_median"] / off[x["batch"]], 4)
+                                           for x in res["static_all"]["decode"] if x["batch"] in off})
+PY
+[ -f "$OUT/elastic_trace.jsonl" ] && wc -l "$OUT/elastic_trace.jsonl" && head -c 600 "$OUT/elastic_trace.jsonl"

@@ -1,0 +1,110 @@
+"""Probe a running server at a real model shape: greedy ids, a long prefill, decode step times.
+
+    python3 bench/device/serve_probe.py URL OUT.json [--long-tokens 4700] [--batches 1,8,32]
+
+Sends (greedy, ignore_eos):
+  * one short prompt, 32 new tokens (its ids are compared across modes);
+  * one prompt of about ``--long-tokens`` tokens (the prefill that crashed the
+    pool modes at 0dafc5d), 8 new tokens;
+  * for each batch size B: B concurrent requests of 128 new tokens; the decode
+    step time is the wall time of the batch's last 96 tokens / 96 (the first 32
+    cover prefill and ramp-up), i.e. the time per step at batch B.
+Writes everything to OUT.json and prints one line per part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import time
+
+import requests
+
+
+def generate(url: str, text, max_new_tokens: int, timeout: float = 900) -> dict | list:
+    body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
+                                              "ignore_eos": True}}
+    r = requests.post(url + "/generate", json=body, timeout=timeout)
+    r.raise_for_status()
+    return r.json()
+
+
+def stream_times(url: str, text: str, max_new_tokens: int) -> list[float]:
+    """Arrival time of each streamed chunk (one per decode step when nothing is batched away)."""
+    body = {"text": text, "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+    times = []
+    with requests.post(url + "/generate", json=body, stream=True, timeout=900) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                times.append(time.perf_counter())
+    return times
+
+
+def decode_step(url: str, batch: int, new_tokens: int = 128, skip: int = 32) -> dict:
+    prompts = [f"request {i}: tell me about paged experts and unified pools, part {i}." for i in range(batch)]
+    with cf.ThreadPoolExecutor(batch) as ex:
+        runs = list(ex.map(lambda p: stream_times(url, p, new_tokens), prompts))
+    # per request: the time between chunk `skip` and the last, over the steps between
+    per_step = [(t[-1] - t[skip]) / (len(t) - 1 - skip) for t in runs if len(t) > skip + 8]
+    per_step.sort()
+    return {"batch": batch, "requests": len(runs), "chunks": [len(t) for t in runs][:4],
+            "step_ms_median": 1e3 * per_step[len(per_step) // 2] if per_step else None,
+            "step_ms_min": 1e3 * per_step[0] if per_step else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("url")
+    ap.add_argument("out")
+    ap.add_argument("--long-tokens", type=int, default=4700)
+    ap.add_argument("--batches", default="1,8,32")
+    args = ap.parse_args()
+    res: dict = {"errors": {}}
+
+    def part(name, fn):
+        """One part of the probe; a failure is recorded and the others still run."""
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - a probe reports, it does not stop
+            res["errors"][name] = f"{type(exc).__name__}: {exc}"[:300]
+            print(f"{name}: FAILED {res['errors'][name]}", flush=True)
+
+    def short():
+        t = time.perf_counter()
+        res["short_ids"] = generate(args.url, "The unified page pool of a mixture of experts", 32)["output_ids"]
+        res["short_s"] = time.perf_counter() - t
+        print("short:", round(res["short_s"], 3), "s", res["short_ids"][:8], flush=True)
+
+    def long():
+        info = requests.get(args.url + "/server_info", timeout=30).json()
+        limit = int(info.get("max_req_input_len") or info.get("context_length") or args.long_tokens)
+        want = min(args.long_tokens, limit - 64)  # a prompt the server accepts
+        text = " ".join(f"w{i % 997}" for i in range(want * 10 // 38))  # ~3.8 Qwen tokens a word
+        t = time.perf_counter()
+        out = generate(args.url, text, 8)
+        res["long"] = {"prompt_tokens": out["meta_info"]["prompt_tokens"], "ids": out["output_ids"],
+                       "s": time.perf_counter() - t}
+        print("long prefill:", res["long"]["prompt_tokens"], "tokens,", round(res["long"]["s"], 2), "s", flush=True)
+
+    def batch16():
+        prompts = [f"prompt {i}: " + "tokens " * (i % 5 + 1) + chr(65 + i) for i in range(16)]
+        res["batch16_ids"] = [o["output_ids"] for o in generate(args.url, prompts, 16)]
+
+    part("short", short)
+    part("long", long)
+    part("batch16", batch16)
+    res["decode"] = []
+    for b in (int(x) for x in args.batches.split(",")):
+        def one(b=b):
+            d = decode_step(args.url, b)
+            res["decode"].append(d)
+            print(f"decode batch {b}: {d['step_ms_median']:.3f} ms/step (min {d['step_ms_min']:.3f})", flush=True)
+        part(f"decode{b}", one)
+    json.dump(res, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
