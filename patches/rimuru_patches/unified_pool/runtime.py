@@ -313,35 +313,38 @@ class RimuruRuntime:
             stats.in_place_layers,
         )
 
-    def reads_in_place(self, hidden: torch.Tensor) -> bool:
-        """Whether this pass reads offloaded experts from pinned host memory in place.
-
-        Always under CUDA-graph capture (the copy path reads routing on the host,
-        which a graph cannot); otherwise for batches up to ``--rimuru-zero-copy-max-tokens``,
-        where each offloaded expert is read about once, so PCIe carries the same
-        bytes a copy would, without the host round trip per layer. Larger batches
-        (prefill) read each expert's weights once per block of tokens, so they copy.
-        """
-        if not self.manager.host_reads:
-            return False
-        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
-            return True
-        return hidden.shape[0] <= self.config.zero_copy_max_tokens
-
     def moe_forward(self, layer, dispatch_output):
         """The MoE of one managed layer, experts read from the pool, the load buffers
-        or (in place) pinned host memory."""
+        or (in place) pinned host memory.
+
+        Which way (``--rimuru-zero-copy-max-tokens`` = N):
+
+        * under CUDA-graph capture, and for passes of up to N tokens: in place
+          (``manager.table``: resident pages + host pages). Each offloaded expert
+          is read about once, so PCIe carries what a copy would, with no host
+          round trip: what a decode graph captures and replays.
+        * eager passes of more than N tokens: the copy path (prefetch +
+          ``prepare_layer``), where an expert crosses PCIe once instead of once per
+          block of tokens. It reads routing on the host, so it cannot be captured;
+          the launcher turns SGLang's prefill graphs off where experts can be
+          offloaded, so prefill takes it (``server.py``). (Cutting the prefill
+          graph around the MoE with SGLang's ``eager_on_graph`` fails: Qwen2-MoE
+          runs the routed experts on a side stream, where a segment cannot end.)
+        """
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
 
         x = dispatch_output.hidden_states
         topk_weights, topk_ids = dispatch_output.topk_output[:2]
         lid = layer.layer_id
-        if self.reads_in_place(x):
-            table = self.manager.table(lid)  # resident pages + host pages: nothing to wait for
+        in_place = self.manager.host_reads and (
+            x.shape[0] <= self.config.zero_copy_max_tokens
+            or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+        if in_place:
             self.manager.note_in_place(lid)
+            out = self.manager.compute(lid, x, topk_weights, topk_ids, self.manager.table(lid))
         else:
             # The next layer's predicted loads go out first, so they overlap this layer's compute.
             self.manager.prefetch_next(lid, x)
             table = self.manager.prepare_layer(lid, topk_ids)
-        out = self.manager.compute(lid, x, topk_weights, topk_ids, table)
+            out = self.manager.compute(lid, x, topk_weights, topk_ids, table)
         return StandardCombineInput(hidden_states=out)
