@@ -3,8 +3,9 @@
 Half of each layer's experts are offloaded to host memory (4 of 8 resident,
 offload limit 4), so every forward pass loads experts through the load
 buffers. The same requests go to a plain (mode off) server first; the static
-server must return the same token ids: single requests, batches of 4 and 16,
-and requests that hit the radix cache.
+server must return the same token ids (the same text, for OpenAI and the DSL):
+single requests, batches of 4 and 16, requests that hit the radix cache, an
+OpenAI completion and a frontend DSL program (``gen``, ``select``, ``fork``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import re
 import pytest
 
 from sglang_rimuru.models import ensure_model
-from tests.conftest import generate, start_server
+from tests.conftest import generate, openai_completion, run_dsl_program, start_server
 
 pytestmark = pytest.mark.server
 
@@ -35,6 +36,8 @@ def workload(srv) -> dict:
     second = generate(srv, SYSTEM + "Second question?", max_new_tokens=10)
     out["radix"] = [first["output_ids"], second["output_ids"]]
     out["radix_cached"] = second["meta_info"]["cached_tokens"]
+    out["openai"] = openai_completion(srv, "Once upon a time", max_tokens=8)["choices"][0]["text"]
+    out["dsl"] = run_dsl_program(srv, ["paged experts"])
     return out
 
 
