@@ -7,6 +7,13 @@ with a progress bar, and leaves the ranking file that ``--rimuru-expert-ranking`
 reads: per MoE layer, experts by how often the router picked them, most
 frequent first (format: ``sglang_rimuru/experts/README.md``).
 
+Prompts the server would refuse for length are skipped and counted, as
+SGLang's ``bench_serving`` filters by context: those with at least the
+server's ``max_req_input_len`` tokens (its ``/server_info``; counted by its
+own ``/tokenize``) are never sent, and a 400 for length (prompt plus
+``--max-new-tokens`` over the context) is a skip too. Any other refusal stops
+the run with one line.
+
     python -m sglang_rimuru.rank --model-path M --out ranking.json --sharegpt 200
     python -m sglang_rimuru.rank --model-path M --out ranking.json --prompts prompts.txt -- --tp-size 2
 
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import re
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -78,6 +86,84 @@ def _iter_json_array(f, chunk: int = 1 << 20) -> Iterator[dict]:
         buf = buf[end:]
 
 
+class RequestFailed(RuntimeError):
+    """The server answered a prompt with an error other than a length refusal, or not at all."""
+
+
+_LENGTH_REFUSAL = re.compile(r"context length|maximum allowed length")
+
+
+def _error_message(resp) -> str:
+    try:
+        return str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return resp.text[:300]
+
+
+def input_token_limit(url: str) -> int:
+    """Prompts must have fewer tokens than this: the scheduler's ``max_req_input_len``."""
+    import requests
+
+    resp = requests.get(url + "/server_info", timeout=60)
+    resp.raise_for_status()
+    return int(resp.json()["max_req_input_len"])
+
+
+def count_tokens(url: str, prompts: list[str], chunk: int = 64) -> list[int]:
+    """Each prompt's length in the server's own tokens (``/tokenize``, as ``/generate`` counts them)."""
+    import requests
+
+    counts: list[int] = []
+    for start in range(0, len(prompts), chunk):
+        resp = requests.post(url + "/tokenize", json={"prompt": prompts[start : start + chunk]}, timeout=600)
+        resp.raise_for_status()
+        counts += resp.json()["count"]
+    return counts
+
+
+def route(url: str, index: int, prompt: str, max_new_tokens: int) -> int | None:
+    """Send one prompt; its prompt + completion tokens, or None when the server refused it for length."""
+    import requests
+
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    try:
+        resp = requests.post(url + "/generate", json=body, timeout=3600)
+    except requests.RequestException as exc:
+        raise RequestFailed(f"prompt {index}: no answer from the server ({type(exc).__name__})") from None
+    if resp.status_code == 400 and _LENGTH_REFUSAL.search(_error_message(resp)):
+        return None
+    if not resp.ok:
+        raise RequestFailed(f"prompt {index}: HTTP {resp.status_code}: {_error_message(resp)}")
+    meta = resp.json()["meta_info"]
+    return meta["prompt_tokens"] + meta["completion_tokens"]
+
+
+def _fitting(url: str, prompts: list[str]) -> tuple[list[tuple[int, str]], int, int]:
+    """(index, prompt) of the prompts under the server's input limit, how many are not, the limit."""
+    limit = input_token_limit(url)
+    counts = count_tokens(url, prompts)
+    fit = [(i, p) for i, (p, n) in enumerate(zip(prompts, counts)) if n < limit]
+    return fit, len(prompts) - len(fit), limit
+
+
+def _send(url: str, fit: list[tuple[int, str]], args) -> tuple[int, int]:
+    """Send the prompts with a progress bar; (how many the server refused for length, tokens routed)."""
+    from tqdm import tqdm
+
+    refused = tokens = 0
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, args.concurrency))
+    try:
+        futures = [pool.submit(route, url, i, p, args.max_new_tokens) for i, p in fit]
+        done = concurrent.futures.as_completed(futures)
+        for fut in tqdm(done, total=len(futures), desc="routing", unit="prompt"):
+            n = fut.result()
+            refused += n is None
+            tokens += n or 0
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # after an error, send nothing more
+    return refused, tokens
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     server_extra: list[str] = []
@@ -103,9 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     if not prompts:
         parser.error("no prompts")
 
-    import requests
-    from tqdm import tqdm
-
     out = Path(args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
@@ -119,26 +202,25 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ServerNotReady as exc:
         raise SystemExit(str(exc)) from None
-    url = server.url
     try:
-        def run(prompt: str) -> int:
-            body = {"text": prompt, "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0}}
-            resp = requests.post(url + "/generate", json=body, timeout=3600)
-            resp.raise_for_status()
-            meta = resp.json()["meta_info"]
-            return meta["prompt_tokens"] + meta["completion_tokens"]
-
-        tokens = 0
-        with concurrent.futures.ThreadPoolExecutor(max(1, args.concurrency)) as pool:
-            for n in tqdm(pool.map(run, prompts), total=len(prompts), desc="routing", unit="prompt"):
-                tokens += n
+        fit, too_long, limit = _fitting(server.url, prompts)
+        refused, tokens = _send(server.url, fit, args)
+    except (RequestFailed, OSError) as exc:  # requests' errors are OSErrors
+        raise SystemExit(f"[rank] error: {exc} (server log: {log})") from None
     finally:
         server.stop()
+    ranked = len(fit) - refused
+    skipped = f"{too_long + refused} skipped for length"
+    if too_long + refused:
+        skipped += (f" ({too_long} not sent: >= {limit} tokens, the server's input limit; {refused} refused by "
+                    f"the server: prompt + {args.max_new_tokens} new tokens over its context)")
+    if ranked == 0:
+        raise SystemExit(f"[rank] error: no prompt was ranked, {skipped}")
     if not out.exists():
         raise SystemExit(f"the server wrote no ranking file (log: {log})")
     ranking = json.loads(out.read_text())
-    print(f"[rank] wrote {out}: {len(ranking['layers'])} MoE layers, {len(prompts)} prompts, {tokens} tokens",
-          file=sys.stderr)
+    print(f"[rank] wrote {out}: {len(ranking['layers'])} MoE layers, {ranked} of {len(prompts)} prompts ranked "
+          f"({tokens} tokens), {skipped}", file=sys.stderr)
     for layer, entry in list(ranking["layers"].items())[:3]:
         print(f"  layer {layer}: hottest experts {entry['order'][:5]}", file=sys.stderr)
     return 0

@@ -42,3 +42,35 @@ def generate(server: Server, text, max_new_tokens: int = 8, **params) -> dict | 
     resp = requests.post(server.url + "/generate", json=body, timeout=120)
     resp.raise_for_status()
     return resp.json()
+
+
+def openai_completion(server: Server, prompt: str, max_tokens: int = 8) -> dict:
+    """A greedy ``/v1/completions`` request (EOS ignored: always ``max_tokens`` tokens)."""
+    body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    resp = requests.post(server.url + "/v1/completions", json=body, timeout=120)
+    resp.raise_for_status()
+    return resp.json()
+
+
+def run_dsl_program(server: Server, topics: list[str]) -> list[dict]:
+    """A frontend DSL program with ``gen``, ``select`` and ``fork`` (greedy), run once per topic as a batch.
+
+    Each state's answer, verdict and the two forks' ideas.
+    """
+    import sglang as sgl
+
+    @sgl.function
+    def program(s, topic):
+        s += "Topic: " + topic + "\n"
+        s += "Answer: " + sgl.gen("answer", max_tokens=6, temperature=0)
+        s += "\nVerdict: " + sgl.select("verdict", choices=["yes", "no", "maybe"])
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += f"\nIdea {i}: " + sgl.gen("idea", max_tokens=4, temperature=0)
+        forks.join()
+        s["ideas"] = [f["idea"] for f in forks]
+
+    backend = sgl.RuntimeEndpoint(server.url)
+    states = program.run_batch([{"topic": t} for t in topics], backend=backend) if len(topics) > 1 else [
+        program.run(topic=topics[0], backend=backend)]
+    return [{"answer": st["answer"], "verdict": st["verdict"], "ideas": st["ideas"]} for st in states]

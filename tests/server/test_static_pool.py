@@ -3,8 +3,9 @@
 Half of each layer's experts are offloaded to host memory (4 of 8 resident,
 offload limit 4), so every forward pass loads experts through the load
 buffers. The same requests go to a plain (mode off) server first; the static
-server must return the same token ids: single requests, batches of 4 and 16,
-and requests that hit the radix cache.
+server must return the same token ids (the same text, for OpenAI and the DSL):
+single requests, batches of 4 and 16, requests that hit the radix cache, an
+OpenAI completion and a frontend DSL program (``gen``, ``select``, ``fork``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import re
 import pytest
 
 from sglang_rimuru.models import ensure_model
-from tests.conftest import generate, start_server
+from tests.conftest import generate, openai_completion, run_dsl_program, start_server
 
 pytestmark = pytest.mark.server
 
@@ -36,6 +37,8 @@ def workload(srv) -> dict:
     second = generate(srv, SYSTEM + "Second question?", max_new_tokens=10)
     out["radix"] = [first["output_ids"], second["output_ids"]]
     out["radix_cached"] = second["meta_info"]["cached_tokens"]
+    out["openai"] = openai_completion(srv, "Once upon a time", max_tokens=8)["choices"][0]["text"]
+    out["dsl"] = run_dsl_program(srv, ["paged experts"])
     return out
 
 
@@ -96,7 +99,12 @@ def test_radix_eviction_returns_pages_to_a_small_pool(tmp_path, model_dir):
 
 
 def test_ranking_command_output_is_served_by_static_mode(tmp_path, model_dir):
-    """python -m sglang_rimuru.rank writes a ranking; a static server keeps its hottest experts resident."""
+    """python -m sglang_rimuru.rank writes a ranking; a static server keeps its hottest experts resident.
+
+    Two prompts too long for the tiny model's 4096-token context are skipped, counted, and the ranking finishes:
+    one over the server's input limit is never sent, one under it is refused by the server (prompt + 8 new tokens
+    over the context).
+    """
     import json
     import subprocess
     import sys
@@ -106,14 +114,20 @@ def test_ranking_command_output_is_served_by_static_mode(tmp_path, model_dir):
 
     path = str(ensure_model("tiny-qwen3-moe", cache_dir=model_dir))
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS_16[:6]) + "\n")
+    prompts.write_text("\n".join([*PROMPTS_16[:3], "long " * 1000, *PROMPTS_16[3:6], "y" * 4089]) + "\n")
     out = tmp_path / "ranking.json"
     proc = subprocess.run(
         [sys.executable, "-m", "sglang_rimuru.rank", "--model-path", path, "--out", str(out),
-         "--prompts", str(prompts), "--max-new-tokens", "4"],
+         "--prompts", str(prompts), "--max-new-tokens", "8"],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = re.search(r"MoE layers, 6 of 8 prompts ranked \(\d+ tokens\), 2 skipped for length \(1 not sent: "
+                        r">= (\d+) tokens, the server's input limit; 1 refused by the server: prompt \+ 8 new "
+                        r"tokens over its context\)", proc.stderr)
+    assert summary, proc.stderr[-3000:]
+    assert 4089 < int(summary.group(1)) < 4096
+    assert "Traceback" not in proc.stderr
     ranking = load_ranking(out, ModelFacts.from_model_path(path).moe_shape())
     data = json.loads(out.read_text())
     for layer in ("0", "1"):
