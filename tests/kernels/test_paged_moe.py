@@ -226,7 +226,8 @@ def test_host_pages_read_in_place_equal_pool_pages(T, I, fused):
     got = run(p, host_pages=host, **kw)
     assert torch.equal(got, want)  # the same loads and dots, from other addresses
     ref = paged_fused_moe_reference(p.hidden, p.pool, p.page_table, p.topk_weights, p.topk_ids,
-                                    inter_size=p.inter_size, page_elems=p.page_elems, host_pages=host)
+                                    inter_size=p.inter_size, page_elems=p.page_elems,
+                                    host_pages=host.to(p.pool.device))
     assert rel_err(got, ref) < 1e-5
 
 
