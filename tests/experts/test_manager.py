@@ -207,3 +207,33 @@ def test_restore_under_way_is_read_from_its_reserved_pages_not_copied_twice() ->
     rig.residency.admit(1, 1, pages)
     m.end_forward()
     assert rows(m.table(1)) == {**LAYER1, 1: (48, 49, 50)}
+
+
+def test_home_table_changes_in_place_across_eviction_and_restore() -> None:
+    # A CUDA graph captured the home table's address once; evictions and restores must
+    # rewrite that same tensor (no recapture) and never leave a routed expert at -1.
+    from sglang_rimuru.experts import expert_owners
+
+    rig = make_rig(limit=4, resident=5)
+    m, r = rig.manager, rig.residency
+    home = m.table(0)
+    address = home.data_ptr()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    ids = torch.tensor([[5, 2], [5, 3], [0, 5], [1, 7]], dtype=torch.int32)
+    w = torch.rand(4, 2, generator=torch.Generator().manual_seed(4))
+    before = m.compute_cpu(0, x, w, ids, home)
+
+    pages5 = r.evict(0, 5)  # the order's eviction; the pass that may read the pages ends first
+    m.end_forward()
+    rig.pool.free_expert_pages(pages5)
+    assert m.table(0) is home and home.data_ptr() == address
+    assert home[5].tolist() == host_row(5)
+    assert -1 not in home.view(-1).tolist()
+    assert torch.equal(m.compute_cpu(0, x, w, ids, home), before)  # read from the host, same output
+
+    new = tuple(rig.pool.alloc_expert_pages(3, expert_owners(0, 5)))
+    m.upload_expert(0, 5, new)
+    r.admit(0, 5, new)
+    m.begin_forward()
+    assert m.table(0) is home and home.data_ptr() == address and home[5].tolist() == list(new)
+    assert torch.equal(m.compute_cpu(0, x, w, ids, home), before)

@@ -54,8 +54,11 @@ def test_config_has_the_specified_sizes(model_paths, name):
     )
     if name == "tiny-qwen2-moe":  # head_dim = hidden / heads must be 64 (SGLang CUDA rope)
         expected.update(hidden_size=128, num_attention_heads=2, num_key_value_heads=2)
+    elif name.endswith("-ratio"):  # a real model's KV-token / expert-page byte ratio (specs.py)
+        expected.update({k: get_spec(name).config[k] for k in (
+            "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "moe_intermediate_size")})
     assert {k: cfg[k] for k in expected} == expected
-    if name == "tiny-qwen3-moe":
+    if get_spec(name).architecture == "Qwen3MoeForCausalLM":
         assert (cfg["model_type"], cfg["head_dim"], cfg["norm_topk_prob"]) == ("qwen3_moe", 64, True)
     else:
         assert (cfg["model_type"], cfg["shared_expert_intermediate_size"]) == ("qwen2_moe", 64)
@@ -76,15 +79,17 @@ def test_checkpoint_has_per_expert_keys(model_paths, name):
         dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
     assert dtypes == {"BF16"}
     assert not [k for k in shapes if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
-    for layer in range(2):
+    spec = get_spec(name).config
+    I, layers = spec["moe_intermediate_size"], spec["num_hidden_layers"]
+    for layer in range(layers):
         prefix = f"model.layers.{layer}.mlp"
         assert shapes[f"{prefix}.gate.weight"] == (8, H)
         for e in range(8):
-            assert shapes[f"{prefix}.experts.{e}.gate_proj.weight"] == (32, H)
-            assert shapes[f"{prefix}.experts.{e}.up_proj.weight"] == (32, H)
-            assert shapes[f"{prefix}.experts.{e}.down_proj.weight"] == (H, 32)
+            assert shapes[f"{prefix}.experts.{e}.gate_proj.weight"] == (I, H)
+            assert shapes[f"{prefix}.experts.{e}.up_proj.weight"] == (I, H)
+            assert shapes[f"{prefix}.experts.{e}.down_proj.weight"] == (H, I)
         assert f"{prefix}.experts.8.gate_proj.weight" not in shapes
-        if name == "tiny-qwen2-moe":
+        if get_spec(name).architecture == "Qwen2MoeForCausalLM":
             assert shapes[f"{prefix}.shared_expert.gate_proj.weight"] == (64, H)
             assert shapes[f"{prefix}.shared_expert.down_proj.weight"] == (H, 64)
             assert shapes[f"{prefix}.shared_expert_gate.weight"] == (1, H)
@@ -93,7 +98,7 @@ def test_checkpoint_has_per_expert_keys(model_paths, name):
             assert shapes[f"model.layers.{layer}.self_attn.q_norm.weight"] == (64,)
     assert shapes["lm_head.weight"] == shapes["model.embed_tokens.weight"] == (320, H)
     n_expert_keys = sum(".experts." in k for k in shapes)
-    assert n_expert_keys == 2 * 8 * 3
+    assert n_expert_keys == layers * 8 * 3
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# ShareGPT serving runs on the lent H200, one device call (repo root, carry .carry and .devdata).
+#   RUNS="static32 elastic32" bash bench/serving/h200.sh
+# Each name below is one system and setting (bench/serving/run_one.py); the JSON,
+# server log and adjuster trace of each land in $OUT. RATE / NUM / BUDGET override
+# the traffic (default: the anchors' 500 ShareGPT requests at 10 req/s, seed 1).
+set -uo pipefail
+source bench/device/setup_device.sh
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/models
+[ -d /tmp/models/q15 ] || tar xzf .devdata/models.tgz -C /tmp/models
+RATE=${RATE:-10}; NUM=${NUM:-500}; BUDGET=${BUDGET:-300}
+one() {  # one NAME CARD_GB MODEL -- FLAGS...
+    local name=$1 card=$2 model=$3; shift 4
+    timeout $(( BUDGET + 200 )) python3 bench/serving/run_one.py --name "$name" --model /tmp/models/$model \
+        --card-gb "$card" --rate "$RATE" --num-prompts "$NUM" --out "$OUT" --budget-s "$BUDGET" \
+        --dataset .devdata/sharegpt_1000_seed1_ctx8192.json.gz -- "$@" 2>&1 | grep -av "Warning\|warn(" | tail -3
+}
+for run in ${RUNS:-static32 elastic32}; do
+    case $run in
+    off32)      one off32 32 q15 -- ;;
+    static32)   one static32 32 q15 -- --rimuru-mode static --rimuru-resident-experts 50 --rimuru-expert-offload-limit 10 ;;
+    elastic32)  one elastic32 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 ;;
+    static24)   one static24 24 q15 -- --rimuru-mode static --rimuru-resident-experts 36 --rimuru-expert-offload-limit 24 ;;
+    elastic24)  one elastic24 24 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 24 ;;
+    offload24)  one offload24 24 q15 -- --cpu-offload-gb 8 ;;
+    *) echo "unknown run $run" ;;
+    esac
+done

@@ -1,0 +1,206 @@
+"""One system, one setting, real ShareGPT traffic: start the server, send the traffic, write JSON.
+
+    python3 bench/serving/run_one.py --name elastic32 --model /tmp/models/q15 --card-gb 32 \\
+        --rate 10 --num-prompts 500 --out OUT_DIR [--dataset FILE] [--budget-s 420] \\
+        -- --rimuru-mode elastic --rimuru-expert-offload-limit 20
+
+Everything after ``--`` goes to ``python -m sglang_rimuru.launch_server`` (mode off
+takes plain SGLang flags, e.g. ``--cpu-offload-gb 8``). The harness adds what every
+system gets the same way: ``--load-format dummy``, the card emulated as SGLang sizes a
+real one (``--mem-fraction-static`` = 0.886 x card / the GPU's total, unless given;
+``--chunked-prefill-size 2048``), CUDA graphs on, SGLang's own defaults otherwise
+(``DEVICE_FLAGS`` adds only what the lent H200 needs: triton attention, pytorch
+sampling, no grammar backend). In elastic mode it adds ``--rimuru-adjuster-trace``.
+
+Traffic: SGLang's ``bench_serving`` with the ShareGPT file of ``../shared/data``
+(bench_serving's sampling, ``--seed 1``, context 8192, the Qwen tokenizer of the model
+directory), Poisson arrivals at ``--rate``. While it runs: nvidia-smi every 0.5 s (the
+GPU's and each process's memory), and the server log for running/queued requests.
+
+Writes OUT_DIR/NAME.json: bench_serving's summary, peak running and queued requests,
+retractions, decode steps counted from the log, peak GPU memory (whole GPU and the
+largest process), the card budget, the adjuster trace's summary, and whether every
+request completed. Prints a short table. ``--budget-s`` stops the traffic (and says so)
+if the run would outlast a device call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from sglang_rimuru.serving import start_local_server  # noqa: E402
+
+#: what the lent H200 needs (no flashinfer there; bench/device/setup_device.sh)
+DEVICE_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
+H200_MIB = 143_771
+DEFAULT_DATASET = "../shared/data/sharegpt_1000_seed1_ctx8192.json.gz"
+
+
+def card_fraction(card_gib: float, total_mib: float = H200_MIB) -> float:
+    """SGLang's static fraction on a real card of ``card_gib``, emulated on this GPU."""
+    return round(0.886 * card_gib * 1024 / total_mib, 4)
+
+
+class GpuSampler(threading.Thread):
+    """nvidia-smi every ``period`` s: the whole GPU's memory and each process's."""
+
+    def __init__(self, period: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.period = period
+        self.peak_gpu_mib = 0
+        self.peak_process_mib = 0
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        t0 = time.time()
+        while not self._stop.is_set():
+            try:
+                used = int(subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                          capture_output=True, text=True, timeout=10).stdout.split()[0])
+                procs = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                        "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                                       timeout=10).stdout
+                per = [int(line.split(",")[1]) for line in procs.strip().splitlines() if "," in line]
+                self.peak_gpu_mib = max(self.peak_gpu_mib, used)
+                self.peak_process_mib = max([self.peak_process_mib, *per])
+                self.samples.append((round(time.time() - t0, 1), used))
+            except Exception:  # noqa: BLE001 - no nvidia-smi (CPU dry run): nothing to sample
+                return
+            self._stop.wait(self.period)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def log_stats(log: str) -> dict:
+    """Running/queued requests and decode steps from SGLang's scheduler log lines."""
+    running = [int(m) for m in re.findall(r"#running-req: (\d+)", log)]
+    queued = [int(m) for m in re.findall(r"#queue-req: (\d+)", log)]
+    decode_lines = len(re.findall(r"Decode batch", log))
+    interval = re.search(r"decode_log_interval=(\d+)", log)
+    return {
+        "peak_running": max(running, default=0),
+        "peak_queued": max(queued, default=0),
+        "decode_steps_est": decode_lines * (int(interval.group(1)) if interval else 40),
+        "prefill_batches": len(re.findall(r"Prefill batch", log)),
+        "retractions": len(re.findall(r"Retract requests", log)),
+        "kv_tokens": int(m.group(1)) if (m := re.search(r"max_total_num_tokens=(\d+)", log)) else None,
+    }
+
+
+def trace_summary(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return {
+        "rounds": len(lines),
+        "evicted": sum(len(x["evicted"]) for x in lines),
+        "restored": sum(len(x["restored"]) for x in lines),
+        "min_resident": min((x["resident"] for x in lines), default=None),
+        "final_resident": lines[-1]["resident"] if lines else None,
+        "series": [(round(x["t"] - lines[0]["t"], 2), x["resident"], x.get("waiting", 0)) for x in lines],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--card-gb", type=float, required=True, help="the card to emulate, GiB")
+    ap.add_argument("--rate", type=float, default=10.0)
+    ap.add_argument("--num-prompts", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--dataset", default=DEFAULT_DATASET)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget-s", type=float, default=420, help="stop the traffic after this long")
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=160)
+    ap.add_argument("--device-flags", default=" ".join(DEVICE_FLAGS))
+    ap.add_argument("server_args", nargs=argparse.REMAINDER)
+    args = ap.parse_args()
+    server_args = [a for a in args.server_args if a != "--"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    dataset = Path(args.dataset)
+    if dataset.suffix == ".gz":  # bench_serving reads plain JSON
+        plain = Path("/tmp") / dataset.name[:-3]
+        if not plain.exists():
+            with gzip.open(dataset) as src, open(plain, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        dataset = plain
+
+    flags = ["--model-path", args.model, "--load-format", "dummy", "--chunked-prefill-size", "2048",
+             "--cuda-graph-max-bs", str(args.cuda_graph_max_bs), *args.device_flags.split()]
+    if "--mem-fraction-static" not in server_args:
+        flags += ["--mem-fraction-static", str(card_fraction(args.card_gb))]
+    trace = out / f"{args.name}_trace.jsonl"
+    if "elastic" in server_args:
+        flags += ["--rimuru-adjuster-trace", str(trace)]
+    log_path = out / f"{args.name}.log"
+    sampler = GpuSampler()
+    sampler.start()
+    t_launch = time.time()
+    srv = start_local_server([*flags, *server_args], log_path, timeout=600)
+    ready_s = time.time() - t_launch
+    port = srv.url.rsplit(":", 1)[1]
+    bench_out = out / f"{args.name}_bench.jsonl"
+    bench_out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1",
+           "--port", port, "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
+           "--num-prompts", str(args.num_prompts), "--request-rate", str(args.rate), "--seed", str(args.seed),
+           "--sharegpt-context-len", "8192", "--tokenizer", args.model, "--output-file", str(bench_out),
+           "--disable-tqdm"]
+    t0 = time.time()
+    stopped = False
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.budget_s)
+        bench_log = proc.stdout[-3000:] + proc.stderr[-2000:]
+    except subprocess.TimeoutExpired as exc:
+        stopped = True
+        bench_log = f"stopped after {args.budget_s} s"
+        del exc
+    traffic_s = time.time() - t0
+    sampler.stop()
+    log = log_path.read_text(errors="replace")
+    srv.stop()
+    result = json.loads(bench_out.read_text().splitlines()[-1]) if bench_out.exists() else {}
+    res = {
+        "name": args.name, "server_args": server_args, "card_gib": args.card_gb,
+        "fraction": card_fraction(args.card_gb), "rate": args.rate, "num_prompts": args.num_prompts,
+        "ready_s": round(ready_s, 1), "traffic_s": round(traffic_s, 1), "stopped_at_budget": stopped,
+        "all_completed": result.get("completed") == args.num_prompts,
+        "bench": {k: v for k, v in result.items() if not isinstance(v, list)},
+        "log": log_stats(log),
+        "peak_gpu_mib": sampler.peak_gpu_mib, "peak_process_mib": sampler.peak_process_mib,
+        "card_mib": args.card_gb * 1024, "gpu_mem_series": sampler.samples[::4],
+        "trace": trace_summary(trace),
+        "tracebacks": log.count("Traceback"),
+        "bench_log_tail": bench_log[-1500:],
+    }
+    (out / f"{args.name}.json").write_text(json.dumps(res, indent=1))
+    b = res["bench"]
+    print(f"{args.name}: completed {b.get('completed')}/{args.num_prompts} in {b.get('duration', 0):.1f} s; "
+          f"out {b.get('output_throughput', 0):.0f} tok/s; TTFT med {b.get('median_ttft_ms', 0):.0f} "
+          f"p99 {b.get('p99_ttft_ms', 0):.0f} ms; TPOT med {b.get('median_tpot_ms', 0):.2f} "
+          f"p99 {b.get('p99_tpot_ms', 0):.2f} ms; peak running {res['log']['peak_running']}; "
+          f"peak GPU {res['peak_gpu_mib']} MiB (process {res['peak_process_mib']}, card {res['card_mib']:.0f}); "
+          f"ready {res['ready_s']} s; tracebacks {res['tracebacks']}"
+          + (f"; trace: {res['trace']['evicted']} out / {res['trace']['restored']} in, min resident "
+             f"{res['trace']['min_resident']}" if res["trace"] else "")
+          + (" ; STOPPED AT BUDGET" if stopped else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()
