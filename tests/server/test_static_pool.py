@@ -63,7 +63,7 @@ def test_static_mode_matches_mode_off(tmp_path, model_dir, model):
     assert got == expected
     assert got["radix_cached"] >= len(SYSTEM.encode()) - 1  # the shared prefix came from the pool's KV pages
     summary = re.search(r"sglang-rimuru static pool: .* (\d+) resident experts \(4 of 8 per layer x 2 layers\), "
-                        r"load buffers 2 x 4, KV capacity (\d+) tokens", log)
+                        r"load buffers 2 x 4, KV now (\d+) tokens, at most \d+", log)
     assert summary, log[-3000:]
     assert int(summary.group(1)) == 8
     capacity = int(summary.group(2))
@@ -79,7 +79,7 @@ def test_radix_eviction_returns_pages_to_a_small_pool(tmp_path, model_dir):
     srv = start_server(["--model-path", path, *STATIC, "--rimuru-pool-gb", "0.006", "--context-length", "1024"],
                        tmp_path / "static.log", env={"SGLANG_RIMURU_STATS_EVERY": "50"})
     try:
-        capacity = int(re.search(r"KV capacity (\d+) tokens", srv.log()).group(1))
+        capacity = int(re.search(r"KV now (\d+) tokens", srv.log()).group(1))
         prompts = [f"{i:03d} " + "distinct filler text " * 30 for i in range(3 * capacity // 600 + 2)]
         first = generate(srv, prompts[0], max_new_tokens=6)
         for p in prompts[1:]:
