@@ -57,7 +57,8 @@ def test_every_seam_resolves_and_installs_in_the_pinned_sglang():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == str(
-        sorted(["cpu.no_pynccl", "cpu.qwen2_moe_shared_expert_gate", "http.sampling_param_types"])
+        sorted(["cpu.no_pynccl", "cpu.qwen2_moe_shared_expert_gate", "cpu.xgrammar_grammar", "cpu.xgrammar_backend",
+                "http.sampling_param_types"])
     )
 
 
@@ -88,6 +89,41 @@ def test_sampling_param_type_check():
         check_sampling_params({"n": True})
 
 
+def test_cpu_xgrammar_bitmask_is_unpinned_and_applied_on_cpu():
+    # SGLang's own classes after the CPU seams: a regex grammar masks CPU logits to its digits
+    code = textwrap.dedent(
+        """
+        import torch, xgrammar as xgr
+        from rimuru_patches.bootstrap import bootstrap_process
+        from rimuru_patches.context import ProcessContext
+        bootstrap_process(ProcessContext(device="cpu"))
+        from sglang.srt.constrained import xgrammar_backend as xb
+        from sglang.srt.constrained.base_grammar_backend import GrammarMask
+
+        vocab = [chr(c) for c in range(ord("0"), ord("z") + 1)]  # 75 one-character tokens
+        ctx = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab)).compile_regex("[0-9]+")
+        grammar = xb.XGrammarGrammar(xgr.GrammarMatcher(ctx), len(vocab), ctx, None)
+        mask = grammar.allocate_vocab_mask(vocab_size=len(vocab), batch_size=2, device="cpu")
+        assert mask.shape == (2, 3) and not mask.is_pinned() and bool((mask == -1).all())
+        grammar.fill_vocab_mask(mask, 0)  # row 1 stays unconstrained
+        logits = torch.zeros(2, len(vocab))
+        GrammarMask(grammar, grammar.move_vocab_mask(mask, "cpu")).apply(logits)
+        allowed = [vocab[i] for i in torch.isfinite(logits[0]).nonzero().flatten().tolist()]
+        assert allowed == list("0123456789"), allowed
+        assert bool(torch.isfinite(logits[1]).all())
+        # the backend's static pair (strict-thinking token filter) goes the same way
+        backend_mask = xb.XGrammarGrammarBackend.allocate_vocab_mask(len(vocab), 1, "cpu")
+        backend_mask[0].zero_()
+        xb.XGrammarGrammarBackend.apply_vocab_mask(logits[1:], backend_mask)
+        assert bool(torch.isinf(logits[1]).all())
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "ok"
+
+
 def test_pool_seams_resolve_when_the_pool_mode_is_on():
     code = textwrap.dedent(
         """
@@ -106,6 +142,8 @@ def test_pool_seams_resolve_when_the_pool_mode_is_on():
             [
                 "cpu.no_pynccl",
                 "cpu.qwen2_moe_shared_expert_gate",
+                "cpu.xgrammar_grammar",
+                "cpu.xgrammar_backend",
                 "http.sampling_param_types",
                 "pool.build",
                 "pool.kv_budget",
