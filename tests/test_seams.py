@@ -58,7 +58,7 @@ def test_every_seam_resolves_and_installs_in_the_pinned_sglang():
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == str(
         sorted(["cpu.no_pynccl", "cpu.qwen2_moe_shared_expert_gate", "cpu.xgrammar_grammar", "cpu.xgrammar_backend",
-                "http.sampling_param_types"])
+                "http.request_validation"])
     )
 
 
@@ -73,7 +73,7 @@ def test_cuda_context_installs_no_cpu_seams():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "['http.sampling_param_types']"
+    assert out.stdout.strip().splitlines()[-1] == "['http.request_validation']"
 
 
 def test_sampling_param_type_check():
@@ -87,6 +87,35 @@ def test_sampling_param_type_check():
         check_sampling_params({"temperature": float("nan")})
     with pytest.raises(ValueError, match=r"sampling_params.n must be an integer, got True"):
         check_sampling_params({"n": True})
+
+
+def test_grammar_check_refuses_what_the_server_cannot_serve():
+    from rimuru_patches.request_validation import check_grammar
+
+    for ok in ({"regex": "[0-9]{3}"}, {"ebnf": 'root ::= "a" | "b"'}, {"json_schema": '{"type": "object"}'},
+               {"json_schema": "$$ANY$$"}, {"regex": "", "json_schema": None}, {"max_new_tokens": 4}, None):
+        check_grammar(ok, "xgrammar")
+    refused = [  # params, the start of the message (then xgrammar's own reason, pinned 0.2.1)
+        ({"regex": "["}, "sampling_params.regex is not a valid regex: Regex parsing error at position 2: Unclosed '['"),
+        ({"json_schema": '{"type": "nosuch"}'}, 'sampling_params.json_schema is not a valid JSON schema: '
+                                                'Unsupported type "nosuch"'),
+        ({"ebnf": 'rule ::= "a"'}, "sampling_params.ebnf is not a valid EBNF grammar: "),
+        ({"json_schema": {"type": "object"}}, "sampling_params.json_schema must be a string"),
+        ({"regex": ["a"]}, "sampling_params.regex must be a string, got list"),
+        ({"regex": "a", "ebnf": "b"}, "sampling_params: set at most one of json_schema, regex, ebnf, structural_tag; "
+                                      "got regex, ebnf"),
+    ]
+    for params, message in refused:
+        with pytest.raises(ValueError) as err:
+            check_grammar(params, "xgrammar")
+        assert str(err.value).startswith(message), (params, str(err.value))
+    with pytest.raises(ValueError, match=r"sampling_params.regex: constrained decoding is off on this server "
+                                         r"\(--grammar-backend none\)"):
+        check_grammar({"regex": "[0-9]"}, "none")
+    # other backends: the type checks only; the scheduler's compile refuses the rest with its own 400
+    check_grammar({"regex": "["}, "outlines")
+    with pytest.raises(ValueError, match="must be a string"):
+        check_grammar({"ebnf": 3}, "llguidance")
 
 
 def test_cpu_xgrammar_bitmask_is_unpinned_and_applied_on_cpu():
@@ -144,7 +173,7 @@ def test_pool_seams_resolve_when_the_pool_mode_is_on():
                 "cpu.qwen2_moe_shared_expert_gate",
                 "cpu.xgrammar_grammar",
                 "cpu.xgrammar_backend",
-                "http.sampling_param_types",
+                "http.request_validation",
                 "pool.build",
                 "pool.kv_budget",
                 "pool.kv_capacity",
