@@ -35,7 +35,10 @@ def test_resolve_returns_owner_and_original():
 
 def test_context_round_trips_through_the_environment(monkeypatch):
     ctx = ProcessContext(device="cpu", tp_size=2, rimuru={"mode": "off"})
-    monkeypatch.delenv("SGLANG_RIMURU_CONTEXT", raising=False)
+    # setenv first so monkeypatch restores the variable after publish(): a leaked TP=2 context
+    # would reach every server a later test starts (its launcher bootstraps from the environment)
+    monkeypatch.setenv("SGLANG_RIMURU_CONTEXT", "")
+    monkeypatch.delenv("SGLANG_RIMURU_CONTEXT")
     assert ProcessContext.from_env() is None
     ctx.publish()
     assert ProcessContext.from_env() == ctx
