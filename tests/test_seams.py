@@ -35,7 +35,10 @@ def test_resolve_returns_owner_and_original():
 
 def test_context_round_trips_through_the_environment(monkeypatch):
     ctx = ProcessContext(device="cpu", tp_size=2, rimuru={"mode": "off"})
-    monkeypatch.delenv("SGLANG_RIMURU_CONTEXT", raising=False)
+    # setenv first so monkeypatch restores the variable after publish(): a leaked TP=2 context
+    # would reach every server a later test starts (its launcher bootstraps from the environment)
+    monkeypatch.setenv("SGLANG_RIMURU_CONTEXT", "")
+    monkeypatch.delenv("SGLANG_RIMURU_CONTEXT")
     assert ProcessContext.from_env() is None
     ctx.publish()
     assert ProcessContext.from_env() == ctx
@@ -57,7 +60,8 @@ def test_every_seam_resolves_and_installs_in_the_pinned_sglang():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == str(
-        sorted(["cpu.no_pynccl", "cpu.qwen2_moe_shared_expert_gate", "http.sampling_param_types"])
+        sorted(["cpu.no_pynccl", "cpu.qwen2_moe_shared_expert_gate", "cpu.xgrammar_grammar", "cpu.xgrammar_backend",
+                "http.request_validation"])
     )
 
 
@@ -72,7 +76,7 @@ def test_cuda_context_installs_no_cpu_seams():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "['http.sampling_param_types']"
+    assert out.stdout.strip().splitlines()[-1] == "['http.request_validation']"
 
 
 def test_sampling_param_type_check():
@@ -86,6 +90,70 @@ def test_sampling_param_type_check():
         check_sampling_params({"temperature": float("nan")})
     with pytest.raises(ValueError, match=r"sampling_params.n must be an integer, got True"):
         check_sampling_params({"n": True})
+
+
+def test_grammar_check_refuses_what_the_server_cannot_serve():
+    from rimuru_patches.request_validation import check_grammar
+
+    for ok in ({"regex": "[0-9]{3}"}, {"ebnf": 'root ::= "a" | "b"'}, {"json_schema": '{"type": "object"}'},
+               {"json_schema": "$$ANY$$"}, {"regex": "", "json_schema": None}, {"max_new_tokens": 4}, None):
+        check_grammar(ok, "xgrammar")
+    refused = [  # params, the start of the message (then xgrammar's own reason, pinned 0.2.1)
+        ({"regex": "["}, "sampling_params.regex is not a valid regex: Regex parsing error at position 2: Unclosed '['"),
+        ({"json_schema": '{"type": "nosuch"}'}, 'sampling_params.json_schema is not a valid JSON schema: '
+                                                'Unsupported type "nosuch"'),
+        ({"ebnf": 'rule ::= "a"'}, "sampling_params.ebnf is not a valid EBNF grammar: "),
+        ({"json_schema": {"type": "object"}}, "sampling_params.json_schema must be a string"),
+        ({"regex": ["a"]}, "sampling_params.regex must be a string, got list"),
+        ({"regex": "a", "ebnf": "b"}, "sampling_params: set at most one of json_schema, regex, ebnf, structural_tag; "
+                                      "got regex, ebnf"),
+    ]
+    for params, message in refused:
+        with pytest.raises(ValueError) as err:
+            check_grammar(params, "xgrammar")
+        assert str(err.value).startswith(message), (params, str(err.value))
+    with pytest.raises(ValueError, match=r"sampling_params.regex: constrained decoding is off on this server "
+                                         r"\(--grammar-backend none\)"):
+        check_grammar({"regex": "[0-9]"}, "none")
+    # other backends: the type checks only; the scheduler's compile refuses the rest with its own 400
+    check_grammar({"regex": "["}, "outlines")
+    with pytest.raises(ValueError, match="must be a string"):
+        check_grammar({"ebnf": 3}, "llguidance")
+
+
+def test_cpu_xgrammar_bitmask_is_unpinned_and_applied_on_cpu():
+    # SGLang's own classes after the CPU seams: a regex grammar masks CPU logits to its digits
+    code = textwrap.dedent(
+        """
+        import torch, xgrammar as xgr
+        from rimuru_patches.bootstrap import bootstrap_process
+        from rimuru_patches.context import ProcessContext
+        bootstrap_process(ProcessContext(device="cpu"))
+        from sglang.srt.constrained import xgrammar_backend as xb
+        from sglang.srt.constrained.base_grammar_backend import GrammarMask
+
+        vocab = [chr(c) for c in range(ord("0"), ord("z") + 1)]  # 75 one-character tokens
+        ctx = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab)).compile_regex("[0-9]+")
+        grammar = xb.XGrammarGrammar(xgr.GrammarMatcher(ctx), len(vocab), ctx, None)
+        mask = grammar.allocate_vocab_mask(vocab_size=len(vocab), batch_size=2, device="cpu")
+        assert mask.shape == (2, 3) and not mask.is_pinned() and bool((mask == -1).all())
+        grammar.fill_vocab_mask(mask, 0)  # row 1 stays unconstrained
+        logits = torch.zeros(2, len(vocab))
+        GrammarMask(grammar, grammar.move_vocab_mask(mask, "cpu")).apply(logits)
+        allowed = [vocab[i] for i in torch.isfinite(logits[0]).nonzero().flatten().tolist()]
+        assert allowed == list("0123456789"), allowed
+        assert bool(torch.isfinite(logits[1]).all())
+        # the backend's static pair (strict-thinking token filter) goes the same way
+        backend_mask = xb.XGrammarGrammarBackend.allocate_vocab_mask(len(vocab), 1, "cpu")
+        backend_mask[0].zero_()
+        xb.XGrammarGrammarBackend.apply_vocab_mask(logits[1:], backend_mask)
+        assert bool(torch.isinf(logits[1]).all())
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "ok"
 
 
 def test_pool_seams_resolve_when_the_pool_mode_is_on():
@@ -106,7 +174,9 @@ def test_pool_seams_resolve_when_the_pool_mode_is_on():
             [
                 "cpu.no_pynccl",
                 "cpu.qwen2_moe_shared_expert_gate",
-                "http.sampling_param_types",
+                "cpu.xgrammar_grammar",
+                "cpu.xgrammar_backend",
+                "http.request_validation",
                 "pool.build",
                 "pool.kv_budget",
                 "pool.kv_capacity",

@@ -3,3 +3,4 @@
 
 def load() -> None:
     from rimuru_patches import cpu_platform, elastic, request_validation, routing_recorder, unified_pool  # noqa: F401
+    from rimuru_patches.cpu_platform import grammar  # noqa: F401
