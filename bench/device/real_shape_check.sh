@@ -5,7 +5,8 @@
 #   off / static / elastic, each probed by serve_probe.py (greedy ids, a ~4.7k
 #   token prefill, decode step times); static/elastic ids compared with off.
 #   run from the repo root on the device, with .carry and .devdata carried
-#   STAGES (default "tests off static elastic") picks the parts.
+#   STAGES (default "tests off static elastic") picks the parts; GRAMMAR=1 adds
+#   bench/grammar_check.py (every structured-output kind, refusals) on each server.
 set -uo pipefail
 source bench/device/setup_device.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/models
@@ -13,7 +14,8 @@ tar xzf .devdata/models.tgz -C /tmp/models
 MODEL=${MODEL:-/tmp/models/q15}
 STAGES=${STAGES:-"tests off static elastic"}
 # SGLang's defaults on this machine, CUDA graphs on; the card emulated as SGLang sizes a 32 GB one
-FLAGS="--attention-backend triton --sampling-backend pytorch --grammar-backend none --load-format dummy \
+# (SGLang's default grammar backend, xgrammar 0.2.9 from the carry: GRAMMAR=1 checks structured output)
+FLAGS="--attention-backend triton --sampling-backend pytorch --load-format dummy \
  --cuda-graph-max-bs ${MAX_BS:-64} --mem-fraction-static ${FRACTION:-0.2019} --chunked-prefill-size 2048 ${EXTRA_FLAGS:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
@@ -34,6 +36,10 @@ peak_mem() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; }
 probe() {  # probe NAME: run serve_probe, keep the pool lines and GPU memory
     timeout ${PROBE_S:-150} python3 bench/device/serve_probe.py http://127.0.0.1:$PORT "$OUT/$1.json" \
         --batches ${BATCHES:-1,32} 2>&1 | tail -8
+    if [ "${GRAMMAR:-0}" = 1 ]; then
+        timeout 120 python3 bench/grammar_check.py --url http://127.0.0.1:$PORT --refusals > "$OUT/$1_grammar.txt" 2>&1
+        echo "$1 grammar check exit $? ($(grep -ac . "$OUT/$1_grammar.txt") lines):"; tail -4 "$OUT/$1_grammar.txt"
+    fi
     echo "$1 GPU memory used: $(peak_mem) MiB"
     grep -a "sglang-rimuru .* pool:\|Traceback\|Error\|error" "$OUT/$1.log" | grep -av "warn" | head -6
 }
