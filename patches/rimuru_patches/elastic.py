@@ -19,9 +19,11 @@ SGLang 0.5.17's scheduler loop (ledger in ``patches/README.md``):
 
 The forward-pass half (the worker takes the order at the start of
 ``ModelRunner.forward`` and acknowledges after it) is in the
-``experts.forward_pass`` seam of ``unified_pool``. Elastic mode runs SGLang's
-normal (non-overlap) scheduler loop, where no forward pass runs while the
-scheduler decides; ``server.py`` turns the overlap scheduler off.
+``experts.forward_pass`` seam of ``unified_pool``. Both of SGLang's loops
+work: with the overlap scheduler (SGLang's default) the previous pass may
+still run on the GPU while a round is planned; victims' pages are then
+reused only by KV writes of later passes on the same stream, and restore
+copies wait for every enqueued pass (``sglang_rimuru/adjuster/applier.py``).
 """
 
 from __future__ import annotations

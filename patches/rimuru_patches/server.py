@@ -188,12 +188,6 @@ def prepare(argv: list[str]):
         print(f"{PROG}: --rimuru-mode {config.mode} with offloadable experts runs prefill eagerly "
               "(--disable-prefill-cuda-graph); decode keeps its CUDA graphs", file=sys.stderr)
 
-    if config.mode == "elastic" and not args.disable_overlap_schedule:
-        # Orders are applied between forward passes; the overlap scheduler plans
-        # round r + 1 while pass r still runs.
-        args.disable_overlap_schedule = True
-        print(f"{PROG}: --rimuru-mode elastic runs SGLang's normal scheduler loop "
-              "(--disable-overlap-schedule)", file=sys.stderr)
 
     from sglang.srt.server_args import ServerArgs
 

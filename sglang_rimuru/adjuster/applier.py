@@ -12,13 +12,21 @@ Per forward pass, driven by the integrator::
                     restoring expert is not predicted again, and a layer that
                     routes to it reads the reserved pages once the copy landed).
                     Victims stay in the page tables: this pass may still read them.
-    finish()        after the pass: wait for the copies, acknowledge ``ok: true``.
-                    The scheduler then completes the order (victims' pages freed,
-                    restores admitted); the tables change at the next pass.
+    finish()        after the pass is enqueued: once the restore copies have
+                    landed, acknowledge ``ok: true`` (``block=False`` leaves
+                    orders whose copies are still running for a later call,
+                    so the scheduler never waits on PCIe). The scheduler then
+                    completes the order (victims' pages freed, restores
+                    admitted); the tables change at the next pass.
 
-Between forward passes no pass can read a victim, so the integrator may also
-run ``take_orders(); finish()`` back to back (an idle round, or a decode round
-that would otherwise retract requests).
+Why freeing victims right after the pass is *enqueued* is safe, also under
+SGLang's overlap scheduler (where that pass may still run on the GPU when the
+next round is planned): every later use of those pages is a KV write of a
+later pass, enqueued on the same stream, so the GPU runs it after every pass
+that read the victims; restore copies into reserved pages wait for the end of
+every pass enqueued so far (``ExpertManager.start_uploads``). So the
+integrator may also run ``take_orders(); finish()`` back to back (an idle
+round, or a decode round that would otherwise retract requests).
 
 No SGLang import.
 """
@@ -72,9 +80,13 @@ class OrderApplier:
             self._pending.append(order)
         return len(self._pending)
 
-    def finish(self) -> list[MigrationOrder]:
-        """The pass that could read the victims is over: wait for restore copies, acknowledge."""
+    def finish(self, block: bool = True) -> list[MigrationOrder]:
+        """The pass that could read the victims is enqueued: acknowledge the pending
+        orders once their restore copies landed (waiting for them unless ``block`` is
+        False, which leaves them pending while the copies run)."""
         if not self._pending:
+            return []
+        if not block and not self.manager.uploads_done():
             return []
         self.manager.wait_uploads()
         done, self._pending = self._pending, []

@@ -96,7 +96,11 @@ class ElasticController:
         SGLang's waiting queue (for the log).
         """
         self._waiting = waiting
-        self.settle()  # an order whose pass never ran: no pass is running now
+        # Orders a pass never took are applied now; finished restore copies are acknowledged.
+        # Copies still running are not waited for (they overlap the next passes).
+        self.applier.take_orders()
+        self.applier.finish(block=False)
+        self._collect()
         order = self._plan(self._demand)
         if order is not None and not forward_follows:
             self.settle()
@@ -138,11 +142,15 @@ class ElasticController:
         self.applier.take_orders()
 
     def after_forward(self) -> None:
-        self.applier.finish()
+        # Never wait for restore copies here: they overlap this pass and the next
+        # ones; orders whose copies are still running are acknowledged later.
+        self.applier.finish(block=False)
         self._collect()
 
     def settle(self) -> list[MigrationOrder]:
-        """Apply and complete everything sent (only while no forward pass runs)."""
+        """Apply and complete everything sent now, waiting for its restore copies
+        (safe between passes, also with a pass still running on the GPU: see
+        ``applier.py``)."""
         self.applier.take_orders()
         self.applier.finish()
         return self._collect()

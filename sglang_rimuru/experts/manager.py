@@ -219,6 +219,11 @@ class ExpertManager:
             self._prefetch_ev = [torch.cuda.Event() for _ in range(NUM_LOAD_BUFFERS)]
             self._load_ev = [torch.cuda.Event() for _ in range(NUM_LOAD_BUFFERS)]
             self._upload_ev = torch.cuda.Event()
+            #: recorded at the end of every forward pass on the stream the pass ran on:
+            #: with SGLang's overlap scheduler a pass may still run on the GPU while
+            #: the scheduler plans the next round, so a restore copy into pages that
+            #: pass may read waits for this, not for whatever stream is current then
+            self._pass_ev = torch.cuda.Event()
         self._uploads_pending = False
         self._uploading: dict[int, dict[int, tuple[int, int, int]]] = {}  # layer -> {expert: pages}
         self.refresh_tables()
@@ -234,9 +239,11 @@ class ExpertManager:
         self.refresh_tables()
 
     def end_forward(self) -> None:
-        """End a forward pass.  Hook point: residency changes made during the pass
-        (evictions) reach the tables here, after every layer has run."""
+        """End a forward pass (its kernels enqueued): residency changes made during
+        the pass (evictions) reach the tables here, stream-ordered after every layer."""
         self._in_forward = False
+        if self._cuda:
+            self._pass_ev.record(torch.cuda.current_stream(self.device))
         self.refresh_tables()
 
     @property
@@ -458,7 +465,10 @@ class ExpertManager:
             for e, pages in self.residency.resident_pages(l).items():
                 rows[e] = tuple(pages)
             self._home_rows[l] = rows
-            self._tables[l].copy_(torch.tensor(rows, dtype=torch.int32))
+            host = torch.tensor(rows, dtype=torch.int32)
+            if self._cuda:  # pinned + async: a pageable copy would wait for the running pass
+                host = host.pin_memory()
+            self._tables[l].copy_(host, non_blocking=self._cuda)
             self._work[l].copy_(self._tables[l])
             self._loaded_rows[l] = {}
             self._offloaded_now[l] = self.residency.offloaded(l)
@@ -508,6 +518,9 @@ class ExpertManager:
         for layer, expert, pages in moves:
             self._uploading.setdefault(layer, {})[expert] = tuple(int(p) for p in pages)
         if self._cuda:
+            # After every pass enqueued so far (one may still read these pages under the
+            # overlap scheduler) and everything on the current stream.
+            self._prefetch_stream.wait_event(self._pass_ev)
             self._prefetch_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._prefetch_stream):
                 for layer, expert, pages in moves:
@@ -519,6 +532,10 @@ class ExpertManager:
                 self._copy_expert(layer, expert, tuple(pages), non_blocking=False)
         self._n["restored"] += len(moves)
         self._n["bytes_copied"] += len(moves) * 3 * self.shape.matrix_elems * self.shape.dtype.itemsize
+
+    def uploads_done(self) -> bool:
+        """Whether every copy ``start_uploads`` started has landed (no blocking)."""
+        return not (self._cuda and self._uploads_pending) or self._upload_ev.query()
 
     def wait_uploads(self) -> None:
         """Block until every copy ``start_uploads`` started has landed."""

@@ -235,3 +235,25 @@ def test_long_refused_message_is_quoted_truncated(worker, caplog) -> None:
     quoted = repr(b"\xff" * 300 + b"...")
     assert rec.getMessage().endswith(f"; received {quoted}")
     assert lk.recv_acks()[0]["seq"] is None
+
+
+def test_finish_without_blocking_leaves_orders_whose_copies_still_run(worker, monkeypatch) -> None:
+    # Under the overlap scheduler the scheduler never waits on PCIe: after a pass an
+    # order whose restore copies are still running stays pending and is acknowledged
+    # by a later finish; a blocking finish (idle round, urgent eviction) waits for it.
+    rig, w, lk, ap = worker
+    pages = reserve(rig, 0, 7)
+    o = order(1, restore=[ExpertMove(0, 7, pages)])
+    lk.send_order(encode(o))
+    assert ap.take_orders() == 1
+    landed = {"done": False}
+    monkeypatch.setattr(w.manager, "uploads_done", lambda: landed["done"])
+    assert ap.finish(block=False) == [] and ap.pending == (o,) and lk.recv_acks() == []
+    landed["done"] = True
+    assert ap.finish(block=False) == [o] and lk.recv_acks() == [{"seq": 1, "ok": True}]
+    # blocking: acknowledged whatever uploads_done says (it waits for the copies)
+    pages = reserve(rig, 1, 1)
+    lk.send_order(encode(order(2, restore=[ExpertMove(1, 1, pages)])))
+    landed["done"] = False
+    ap.take_orders()
+    assert [x.seq for x in ap.finish()] == [2]
