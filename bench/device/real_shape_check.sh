@@ -54,7 +54,7 @@ for stage in $STAGES; do
     off) run off 30000 ;;
     sweep) timeout ${SWEEP_S:-150} python3 bench/kernel/zero_copy_sweep.py --out "$OUT/zero_copy_sweep.json" \
         --budget-s $(( ${SWEEP_S:-150} - 40 )) 2>&1 | grep -av -i warn | tail -45 ;;
-    static_all) run static_all 30003 --rimuru-mode static --rimuru-resident-experts 60 --rimuru-expert-offload-limit 0 ;;
+    static_all) run static_all 30003 --rimuru-mode static --rimuru-expert-offload-limit 0 ;;
     static) BATCHES=${STATIC_BATCHES:-${BATCHES:-1,32}} run static 30001 --rimuru-mode static \
         --rimuru-resident-experts 50 --rimuru-expert-offload-limit 10 ;;
     elastic) run elastic 30002 --rimuru-mode elastic --rimuru-expert-offload-limit 20 \
