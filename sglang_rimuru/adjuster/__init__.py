@@ -28,7 +28,7 @@ from .policy import FLAGS, REASONS, AdjusterPolicy, Decision
 from .selection import pick_offloaded_at_start, pick_restores, pick_victims
 
 if TYPE_CHECKING:
-    from .adjuster import Adjuster, AdjusterStats, RoundRecord
+    from .adjuster import Adjuster, AdjusterStats, Load, RoundRecord
 
 __all__ = [
     "FLAGS",
@@ -38,6 +38,7 @@ __all__ = [
     "Adjuster",
     "AdjusterPolicy",
     "AdjusterStats",
+    "Load",
     "Decision",
     "ExpertMove",
     "MigrationOrder",
@@ -51,7 +52,7 @@ __all__ = [
     "pick_victims",
 ]
 
-_LAZY = {"Adjuster", "AdjusterStats", "RoundRecord"}
+_LAZY = {"Adjuster", "AdjusterStats", "Load", "RoundRecord"}
 
 
 def __getattr__(name: str):

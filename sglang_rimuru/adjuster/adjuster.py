@@ -48,13 +48,27 @@ from sglang_rimuru.experts.residency import expert_owners
 from sglang_rimuru.pool import EXPERT_MATRICES, UnifiedPagePool
 
 from .orders import ORDER_VERSION, ExpertMove, MigrationOrder
+from .cost import CostModel
 from .policy import REASONS, AdjusterPolicy, Decision
 from .selection import pick_restores, pick_victims
 
 if TYPE_CHECKING:
     from sglang_rimuru.experts import ExpertRanking, ExpertResidency
 
-__all__ = ["Adjuster", "AdjusterStats", "RoundRecord"]
+__all__ = ["Adjuster", "AdjusterStats", "Load", "RoundRecord"]
+
+
+class Load(NamedTuple):
+    """What the scheduler runs and what an eviction would buy (for a cost-aware adjuster).
+
+    ``running``: requests in the decode batch; ``admits``: requests the demand's
+    pages would let in (prefill) — for a decode shortfall (``urgent``), the one
+    request SGLang would otherwise retract.
+    """
+
+    running: int
+    admits: int
+    urgent: bool = False
 
 
 class RoundRecord(NamedTuple):
@@ -102,7 +116,7 @@ class Adjuster:
     """
 
     def __init__(self, policy: AdjusterPolicy, page_pool: UnifiedPagePool,
-                 residency: ExpertResidency, ranking: ExpertRanking) -> None:
+                 residency: ExpertResidency, ranking: ExpertRanking, cost: CostModel | None = None) -> None:
         if policy.pages_per_expert != len(EXPERT_MATRICES):
             raise ValueError(f"AdjusterPolicy.pages_per_expert={policy.pages_per_expert}, but one "
                              f"expert is {len(EXPERT_MATRICES)} pool pages {EXPERT_MATRICES}")
@@ -113,6 +127,16 @@ class Adjuster:
         self.page_pool = page_pool
         self.residency = residency
         self.ranking = ranking
+        #: with a cost model, evictions must pay for their PCIe time (``cost.py``)
+        self.cost = cost
+        top_k = residency.shape.top_k
+        # per-token routing probability of each expert: the ranking's, scaled so a
+        # layer's sum to top_k (a token picks top_k experts)
+        self._token_p = {}
+        for l in residency.shape.layer_ids:
+            probs = [ranking.probability(l, e) for e in range(residency.shape.num_experts)]
+            total = sum(probs)
+            self._token_p[l] = [(p * top_k / total) if total > 0 else top_k / len(probs) for p in probs]
         self._seq = 0
         self._last_round: int | None = None
         self._in_flight: dict[int, MigrationOrder] = {}  # seq -> order, insertion = seq order
@@ -125,12 +149,15 @@ class Adjuster:
 
     # ================================================================ the round
 
-    def plan_round(self, round_no: int, kv_pages_needed: int) -> MigrationOrder | None:
+    def plan_round(self, round_no: int, kv_pages_needed: int, load: Load | None = None) -> MigrationOrder | None:
         """Decide this round's evictions / restores; reserve restore pages; ``None`` if no change.
 
         ``kv_pages_needed``: KV pages the schedule wants beyond what it got
         (its shortfall; 0 when everything fit), passed to
-        ``page_pool.missing_expert_pages``.
+        ``page_pool.missing_expert_pages``. ``load``: with a cost model, what the
+        evictions would buy; an eviction that does not pay for its PCIe time is
+        dropped (reason ``priced_out``). Without ``load`` or a cost model the
+        policy's thresholds alone decide (the paper's rule).
         """
         for name, v in (("round_no", round_no), ("kv_pages_needed", kv_pages_needed)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -155,6 +182,9 @@ class Adjuster:
         frozen = self._frozen.keys()
         victims = (pick_victims(self.residency, self.ranking, decision.evict, frozen)
                    if decision.evict else [])
+        if victims and self.cost is not None and load is not None and not self._pays(victims, load, decision):
+            self._n["priced_out"] += 1
+            decision, victims = Decision(0, 0, "priced_out"), []
         n_restore = min(decision.restore, max(0, f_b - taken) // ppe) if r_b == 0 else 0
         restores = (pick_restores(self.residency, self.ranking, n_restore, frozen)
                     if n_restore else [])
@@ -294,6 +324,24 @@ class Adjuster:
         pool.check_invariants()
 
     # ================================================================ internals
+
+    def offloaded_token_probabilities(self) -> list[float]:
+        """Per-token routing probabilities of every expert out of the pool, or on its
+        way out (in-flight victims)."""
+        res = self.residency
+        out = [self._token_p[l][e] for l in res.shape.layer_ids for e in res.offloaded(l)]
+        out += [self._token_p[m.layer][m.expert] for o in self._in_flight.values() for m in o.evict]
+        return out
+
+    def _pays(self, victims, load: Load, decision: Decision) -> bool:
+        cost, offloaded = self.cost, self.offloaded_token_probabilities()
+        new = [self._token_p[l][e] for l, e in victims]
+        if load.urgent:
+            return cost.keep_beats_retract(load.running, offloaded, new)
+        if decision.reason == "low_water":
+            # pre-emptive: only victims so cold that their price is within the margin of a step
+            return cost.offload_ms(new, load.running) <= cost.margin * cost.step_ms(load.running)
+        return cost.eviction_pays(load.running, load.admits, offloaded, new)
 
     def _lookup(self, order: MigrationOrder | int) -> MigrationOrder:
         seq = order.seq if isinstance(order, MigrationOrder) else order

@@ -31,7 +31,9 @@ FLAGS: dict[str, str] = {
 }
 
 #: ``Decision.reason`` values.
-REASONS: tuple[str, ...] = ("kv_short", "low_water", "high_water", "hold")
+#: ("priced_out": the adjuster dropped an eviction that would not pay for its PCIe
+#: time, see ``cost.py``; the policy itself never returns it)
+REASONS: tuple[str, ...] = ("kv_short", "low_water", "high_water", "hold", "priced_out")
 
 
 class Decision(NamedTuple):

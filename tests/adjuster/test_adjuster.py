@@ -73,7 +73,7 @@ def test_shortfall_evicts_and_pages_free_only_after_complete() -> None:
     s = adj.stats()
     assert (s.rounds, s.orders, s.evictions, s.restores, s.completed_orders) == (3, 1, 3, 0, 1)
     assert (s.in_flight_orders, s.in_flight_victim_pages, s.reserved_restore_pages) == (0, 0, 0)
-    assert s.decisions == {"kv_short": 1, "low_water": 0, "high_water": 0, "hold": 2}
+    assert s.decisions == {"kv_short": 1, "low_water": 0, "high_water": 0, "hold": 2, "priced_out": 0}
 
 
 def test_in_flight_projection_matches_instant_completion() -> None:
@@ -299,4 +299,55 @@ def test_random_rounds_keep_every_invariant() -> None:
     # the sequence exercised what it is meant to
     assert seen["evict"] > 50 and seen["restore"] > 50 and seen["abort"] > 0
     assert seen["max_in_flight"] >= 3 and seen["short"] > 50 and s.unmet_evictions > 0
-    assert all(v > 0 for v in s.decisions.values()), s.decisions
+    assert all(v > 0 for r, v in s.decisions.items() if r != "priced_out"), s.decisions  # no cost model here
+
+
+# --- a cost model: evictions must pay for their PCIe time (issue 12) -------------------
+
+def priced(rig, expert_ms: float) -> Adjuster:
+    from sglang_rimuru.adjuster.cost import CostModel
+
+    return Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking,
+                    cost=CostModel(expert_ms=expert_ms, base_ms=3.7, per_request_ms=0.023))
+
+
+def test_cheap_pcie_evicts_as_the_paper_does():
+    from sglang_rimuru.adjuster import Load
+
+    rig = make_rig()  # F_b = 6, 20 KV pages needed: R_b = 4, two victims
+    order = priced(rig, expert_ms=1e-6).plan_round(0, 20, Load(running=30, admits=1))
+    assert [(m.layer, m.expert) for m in order.evict] == [(0, 2), (1, 2)]
+    assert order.reason.startswith("kv_short")
+
+
+def test_expensive_pcie_prices_the_eviction_out():
+    from sglang_rimuru.adjuster import Load
+
+    rig = make_rig()
+    adj = priced(rig, expert_ms=5.0)  # each victim costs more than the request it admits
+    assert adj.plan_round(0, 20, Load(running=30, admits=1)) is None
+    s = adj.stats()
+    assert s.decisions["priced_out"] == 1 and s.evictions == 0 and s.last.decision.reason == "priced_out"
+    # nothing running: admitting is pure gain, whatever the price
+    assert adj.plan_round(1, 20, Load(running=0, admits=1)).evict
+    # without a load the paper's thresholds decide alone
+    assert priced(make_rig(), expert_ms=5.0).plan_round(0, 20).evict
+
+
+def test_urgent_decode_shortfall_keeps_or_retracts_by_price():
+    from sglang_rimuru.adjuster import Load
+
+    assert priced(make_rig(), expert_ms=1e-6).plan_round(0, 20, Load(running=8, admits=1, urgent=True)).evict
+    assert priced(make_rig(), expert_ms=50.0).plan_round(0, 20, Load(running=8, admits=1, urgent=True)) is None
+    # the last running request is never retracted for a price
+    assert priced(make_rig(), expert_ms=50.0).plan_round(0, 20, Load(running=1, admits=1, urgent=True)).evict
+
+
+def test_token_probabilities_follow_the_ranking_scaled_to_top_k():
+    rig = make_rig()
+    adj = adjuster_for(rig)
+    # rig ranking: layer 0 offloads experts 7 (.04) and 6 (.02), layer 1 experts 1 (.02) and 0 (.01)
+    # (both layers' probabilities sum to .95), layer 2 experts 6 and 7 (.125 each, sum 1); top_k = 2
+    s = 2 / 0.95
+    want = [.04 * s, .02 * s, .02 * s, .01 * s, .25, .25]
+    assert sorted(adj.offloaded_token_probabilities()) == pytest.approx(sorted(want))
