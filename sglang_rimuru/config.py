@@ -16,6 +16,11 @@ import dataclasses
 #: same pool, and the adjuster moves the split every scheduling round.
 MODES = ("off", "static", "elastic")
 
+#: the paged MoE kernel on CUDA. ``exact``: SGLang's launch configs, SiLU*up and
+#: top-k sum, outputs bit-equal to ``--rimuru-mode off``. ``fast``: the kernel's
+#: own tuned configs, SiLU*up fused into the gate/up GEMM, its Triton top-k sum.
+MOE_KERNELS = ("exact", "fast")
+
 
 @dataclasses.dataclass(frozen=True)
 class RimuruConfig:
@@ -44,10 +49,15 @@ class RimuruConfig:
     #: pinned host memory (zero-copy, no host sync); larger ones copy them into the
     #: load buffers first. CUDA graphs always read in place.
     zero_copy_max_tokens: int = 128
+    #: the paged MoE kernel's arithmetic on CUDA (MOE_KERNELS); the CPU path is torch either way
+    moe_kernel: str = "exact"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"--rimuru-mode: unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
+        if self.moe_kernel not in MOE_KERNELS:
+            raise ValueError(f"--rimuru-moe-kernel: unknown kernel {self.moe_kernel!r}; choose from "
+                             f"{', '.join(MOE_KERNELS)}")
         for flag, value in (
             ("--rimuru-expert-offload-limit", self.expert_offload_limit),
             ("--rimuru-resident-experts", self.resident_experts),
@@ -99,6 +109,7 @@ class RimuruConfig:
             "--rimuru-expert-ranking": self.expert_ranking,
             "--rimuru-zero-copy-max-tokens": (None if self.zero_copy_max_tokens == self._default(
                 "--rimuru-zero-copy-max-tokens") else self.zero_copy_max_tokens),
+            "--rimuru-moe-kernel": None if self.moe_kernel == self._default("--rimuru-moe-kernel") else self.moe_kernel,
         }
 
     @property
@@ -149,6 +160,15 @@ class RimuruConfig:
             help="Forward passes of at most N tokens read offloaded experts in place from pinned host "
             "memory over PCIe (no copy, no host sync); larger ones copy the routed offloaded experts "
             "into load buffers first. CUDA graphs always read in place. 0: always copy outside graphs.",
+        )
+        group.add_argument(
+            "--rimuru-moe-kernel",
+            choices=MOE_KERNELS,
+            default=RimuruConfig.moe_kernel,
+            help="The paged MoE kernel's arithmetic on a GPU. 'exact': SGLang's launch configs, SiLU*up "
+            "and top-k sum (outputs bit-equal to --rimuru-mode off). 'fast': the kernel's own tuned "
+            "configs (H200 tables for Qwen1.5-MoE-A2.7B and Qwen3-30B-A3B, a default table elsewhere), "
+            "SiLU*up fused into the gate/up GEMM and its Triton top-k sum (same math, other rounding order).",
         )
         group.add_argument(
             "--rimuru-record-routing",
@@ -208,6 +228,7 @@ class RimuruConfig:
             adjuster_max_restores=args.rimuru_adjuster_max_restores,
             adjuster_trace=args.rimuru_adjuster_trace,
             zero_copy_max_tokens=args.rimuru_zero_copy_max_tokens,
+            moe_kernel=args.rimuru_moe_kernel,
         )
 
     def to_dict(self) -> dict:

@@ -114,3 +114,8 @@ def test_adjuster_thresholds_that_would_ping_pong(tiny_moe):
     proc = run_launcher("--model-path", tiny_moe, "--rimuru-mode", "elastic",
                         "--rimuru-adjuster-evict-low-water", "4", "--rimuru-adjuster-restore-high-water", "6")
     assert_one_line_error(proc, "--rimuru-adjuster-restore-high-water=6", "must exceed", "ping-pong")
+
+
+def test_moe_kernel_needs_a_pool_mode(tiny_moe):
+    proc = run_launcher("--model-path", tiny_moe, "--rimuru-moe-kernel", "fast")
+    assert_one_line_error(proc, "--rimuru-moe-kernel", "need --rimuru-mode static or elastic")

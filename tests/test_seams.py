@@ -278,3 +278,61 @@ def test_kernel_hooks_follow_fused_experts_impl_branches(monkeypatch):
     assert calls.pop() == ("compiled", 2, 2.5)
     with pytest.raises(ValueError, match="bf16/fp16"):
         sglang_moe.sglang_kernel_hooks(num_experts=8, hidden=64, inter=32, top_k=2, dtype=torch.float32)
+
+
+def _moe_layers(*scales):
+    from types import SimpleNamespace
+
+    return {i: (SimpleNamespace(moe_runner_config=SimpleNamespace(routed_scaling_factor=s)), None)
+            for i, s in enumerate(scales)}
+
+
+def test_moe_kernel_fast_leaves_the_kernel_its_own_defaults(monkeypatch):
+    import torch
+
+    from rimuru_kernels import moe_config
+    from rimuru_patches.unified_pool import sglang_moe
+    from rimuru_patches.unified_pool.runtime import RimuruRuntime
+    from sglang_rimuru.config import RimuruConfig
+    from sglang_rimuru.experts import KernelHooks, MoEShape
+
+    monkeypatch.delenv("RIMURU_KERNELS_CONFIG_DIR", raising=False)
+    monkeypatch.setattr(moe_config, "device_name", lambda device: "NVIDIA_H200")
+    monkeypatch.setattr(sglang_moe, "resolve_targets", lambda: pytest.fail("fast must not use SGLang's functions"))
+    fast = RimuruConfig(mode="static", moe_kernel="fast")
+    q15 = MoEShape(num_experts=60, hidden=2048, inter=1408, top_k=4, layer_ids=(0, 1), dtype=torch.bfloat16)
+    hooks, words = RimuruRuntime.kernel_hooks(fast, _moe_layers(None, None), q15, None, torch.device("cuda"))
+    assert hooks == KernelHooks()
+    assert words == ("fast (configs E=60,N=1408,device_name=NVIDIA_H200.json + "
+                     "E=60,N=1408,device_name=NVIDIA_H200_down.json; SiLU*up fused, Triton top-k sum)")
+    tp2 = MoEShape(num_experts=60, hidden=2048, inter=704, top_k=4, layer_ids=(0, 1), dtype=torch.bfloat16)
+    _, words = RimuruRuntime.kernel_hooks(fast, _moe_layers(1.0), tp2, None, torch.device("cuda"))
+    assert words.startswith("fast (configs default.json;")  # no table for this shape: the default one
+    with pytest.raises(RuntimeError, match=r"--rimuru-moe-kernel fast: .* routed_scaling_factor 2.5, .* use "
+                                           r"--rimuru-moe-kernel exact"):
+        RimuruRuntime.kernel_hooks(fast, _moe_layers(2.5, 2.5), q15, None, torch.device("cuda"))
+
+
+def test_moe_kernel_exact_gives_the_kernel_sglang_functions(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from rimuru_patches.unified_pool import sglang_moe
+    from rimuru_patches.unified_pool.runtime import RimuruRuntime
+    from sglang_rimuru.config import RimuruConfig
+    from sglang_rimuru.experts import MoEShape
+
+    silu = object()
+    fakes = {"try_get_optimal_moe_config": None, "get_config_dtype_str": lambda dtype: None, "silu_and_mul": silu,
+             "_use_moe_sum_reduce_torch_compile": None, "moe_sum_reduce_torch_compile": None, "moe_sum_reduce": None}
+    monkeypatch.setattr(sglang_moe, "resolve_targets", lambda: fakes)
+    shape = MoEShape(num_experts=8, hidden=64, inter=32, top_k=2, layer_ids=(0,), dtype=torch.bfloat16)
+    args = SimpleNamespace(enable_fused_moe_sum_all_reduce=False)
+    hooks, words = RimuruRuntime.kernel_hooks(RimuruConfig(mode="static"), _moe_layers(None), shape, args,
+                                              torch.device("cuda"))
+    assert hooks.act_and_mul is silu and hooks.configs is not None and hooks.combine is not None
+    assert words.startswith("exact (SGLang's configs, silu_and_mul and top-k sum")
+    with pytest.raises(RuntimeError, match="different routed_scaling_factor values"):
+        RimuruRuntime.kernel_hooks(RimuruConfig(mode="static"), _moe_layers(None, 2.0), shape, args,
+                                   torch.device("cuda"))

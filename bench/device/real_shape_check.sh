@@ -7,7 +7,12 @@
 #   run from the repo root on the device, with .carry and .devdata carried
 #   STAGES (default "tests off static elastic") picks the parts; GRAMMAR=1 adds
 #   bench/grammar_check.py (every structured-output kind, refusals) on each server.
+#   static_fast / static_all_fast: static / static_all with --rimuru-moe-kernel fast
+#   (the paged kernel's own configs, fused SiLU*up and top-k sum instead of SGLang's).
+#   A stage is skipped (and said so) when fewer than STAGE_S (170) seconds remain of
+#   DEADLINE_S (560), so the summary (bench/device/probe_summary.py) always prints.
 set -uo pipefail
+START=$(date +%s)
 source bench/device/setup_device.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/models
 tar xzf .devdata/models.tgz -C /tmp/models
@@ -46,6 +51,11 @@ probe() {  # probe NAME: run serve_probe, keep the pool lines and GPU memory
 run() { serve "$@" && probe $1; kill -- -$server 2>/dev/null; sleep 3; }
 
 for stage in $STAGES; do
+    left=$(( ${DEADLINE_S:-560} - ($(date +%s) - START) ))
+    if [ "$stage" != tests ] && [ $left -lt ${STAGE_S:-170} ]; then
+        echo "SKIP $stage: $left s left of DEADLINE_S=${DEADLINE_S:-560} (a server stage needs ~${STAGE_S:-170} s)"
+        continue
+    fi
     case $stage in
     tests)
         timeout 60 python3 bench/device/zero_copy_diag.py "$OUT/zero_copy_diag.json" 2>&1 | tail -4
@@ -55,30 +65,16 @@ for stage in $STAGES; do
     sweep) timeout ${SWEEP_S:-150} python3 bench/kernel/zero_copy_sweep.py --out "$OUT/zero_copy_sweep.json" \
         --budget-s $(( ${SWEEP_S:-150} - 40 )) 2>&1 | grep -av -i warn | tail -45 ;;
     static_all) run static_all 30003 --rimuru-mode static --rimuru-expert-offload-limit 0 ;;
+    static_all_fast) run static_all_fast 30005 --rimuru-mode static --rimuru-expert-offload-limit 0 \
+        --rimuru-moe-kernel fast ;;
     static) BATCHES=${STATIC_BATCHES:-${BATCHES:-1,32}} run static 30001 --rimuru-mode static \
         --rimuru-resident-experts 50 --rimuru-expert-offload-limit 10 ;;
+    static_fast) BATCHES=${STATIC_BATCHES:-${BATCHES:-1,32}} run static_fast 30004 --rimuru-mode static \
+        --rimuru-resident-experts 50 --rimuru-expert-offload-limit 10 --rimuru-moe-kernel fast ;;
     elastic) run elastic 30002 --rimuru-mode elastic --rimuru-expert-offload-limit 20 \
         --rimuru-adjuster-trace "$OUT/elastic_trace.jsonl" ;;
     esac
 done
-python3 - "$OUT" <<'PY'
-import json, os, sys
-d = sys.argv[1]
-res = {n: json.load(open(f"{d}/{n}.json")) for n in ("off", "static_all", "static", "elastic")
-       if os.path.exists(f"{d}/{n}.json")}
-if "off" in res:
-    for n in ("static_all", "static", "elastic"):
-        if n in res:
-            a, b = res["off"], res[n]
-            print(n, "vs off: short ids equal", a.get("short_ids") == b.get("short_ids"), "| long ids equal",
-                  a.get("long", {}).get("ids") == b.get("long", {}).get("ids"), "| batch16 equal",
-                  sum(x == y for x, y in zip(a.get("batch16_ids", []), b.get("batch16_ids", []))), "/ 16")
-for n, r in res.items():
-    print(n, "decode ms/step:", {x["batch"]: round(x["step_ms_median"] or -1, 3) for x in r["decode"]},
-          "| long prefill s:", round(r.get("long", {}).get("s", -1), 3), "| errors:", r.get("errors"))
-if "off" in res and "static_all" in res:
-    off = {x["batch"]: x["step_ms_median"] for x in res["off"]["decode"]}
-    print("static_all / off per batch:", {x["batch"]: round(x["step_ms_median"] / off[x["batch"]], 4)
-                                           for x in res["static_all"]["decode"] if x["batch"] in off})
-PY
+python3 bench/device/probe_summary.py "$OUT"
+echo "real_shape_check: $(( $(date +%s) - START )) s"
 [ -f "$OUT/elastic_trace.jsonl" ] && wc -l "$OUT/elastic_trace.jsonl" && head -c 600 "$OUT/elastic_trace.jsonl"

@@ -2,6 +2,8 @@
 
     python3 bench/device/serve_probe.py URL OUT.json [--long-tokens 4700] [--batches 1,8,32]
 
+Reads ``/server_info`` first (the KV capacity: a decode batch whose requests
+do not all fit in it is not a batch of that size; ``probe_summary.py`` marks it).
 Sends (greedy, ignore_eos):
   * one short prompt, 32 new tokens (its ids are compared across modes);
   * one prompt of about ``--long-tokens`` tokens (the prefill that crashed the
@@ -30,27 +32,37 @@ def generate(url: str, text, max_new_tokens: int, timeout: float = 900) -> dict 
     return r.json()
 
 
-def stream_times(url: str, text: str, max_new_tokens: int) -> list[float]:
-    """Arrival time of each streamed chunk (one per decode step when nothing is batched away)."""
+def stream_times(url: str, text: str, max_new_tokens: int) -> tuple[list[float], int | None]:
+    """Arrival time of each streamed chunk (one per decode step when nothing is batched away),
+    and the prompt's token count (from the last chunk's meta_info)."""
     body = {"text": text, "stream": True,
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
-    times = []
+    times, last = [], None
     with requests.post(url + "/generate", json=body, stream=True, timeout=900) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith(b"data:") and line != b"data: [DONE]":
                 times.append(time.perf_counter())
-    return times
+                last = line
+    try:
+        prompt_tokens = json.loads(last[len(b"data:"):])["meta_info"]["prompt_tokens"]
+    except (TypeError, ValueError, KeyError):
+        prompt_tokens = None
+    return times, prompt_tokens
 
 
 def decode_step(url: str, batch: int, new_tokens: int = 128, skip: int = 32) -> dict:
     prompts = [f"request {i}: tell me about paged experts and unified pools, part {i}." for i in range(batch)]
     with cf.ThreadPoolExecutor(batch) as ex:
-        runs = list(ex.map(lambda p: stream_times(url, p, new_tokens), prompts))
+        results = list(ex.map(lambda p: stream_times(url, p, new_tokens), prompts))
+    runs = [t for t, _ in results]
+    prompt_tokens = [n for _, n in results if n is not None]
     # per request: the time between chunk `skip` and the last, over the steps between
     per_step = [(t[-1] - t[skip]) / (len(t) - 1 - skip) for t in runs if len(t) > skip + 8]
     per_step.sort()
     return {"batch": batch, "requests": len(runs), "chunks": [len(t) for t in runs][:4],
+            "new_tokens": new_tokens,
+            "kv_tokens_needed": sum(prompt_tokens) + new_tokens * len(runs) if prompt_tokens else None,
             "step_ms_median": 1e3 * per_step[len(per_step) // 2] if per_step else None,
             "step_ms_min": 1e3 * per_step[0] if per_step else None}
 
@@ -71,6 +83,13 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - a probe reports, it does not stop
             res["errors"][name] = f"{type(exc).__name__}: {exc}"[:300]
             print(f"{name}: FAILED {res['errors'][name]}", flush=True)
+
+    def server():
+        info = requests.get(args.url + "/server_info", timeout=30).json()
+        keys = ("max_total_num_tokens", "max_req_input_len", "context_length", "cuda_graph_max_bs",
+                "disable_cuda_graph")
+        res["server"] = {k: info.get(k) for k in keys}
+        print("server:", res["server"], flush=True)
 
     def short():
         t = time.perf_counter()
@@ -93,6 +112,7 @@ def main() -> None:
         prompts = [f"prompt {i}: " + "tokens " * (i % 5 + 1) + chr(65 + i) for i in range(16)]
         res["batch16_ids"] = [o["output_ids"] for o in generate(args.url, prompts, 16)]
 
+    part("server", server)
     part("short", short)
     part("long", long)
     part("batch16", batch16)

@@ -33,9 +33,10 @@ HBM_GBS = 4300.0  # DEVICE_NOTES copy ceiling (the issue's targets use it)
 
 
 def pick_shapes(names):
+    """The shapes whose names contain one of ``names``, in the order of ``names`` (all without)."""
     if not names:
         return dict(SHAPES)
-    return {n: s for n, s in SHAPES.items() if any(a.lower() in n.lower() for a in names)}
+    return {n: s for a in names for n, s in SHAPES.items() if a.lower() in n.lower()}
 
 
 def input_sets(T: int) -> int:
@@ -65,6 +66,11 @@ class Rig:
         else:
             self.pool = torch.empty(num_pages * self.page_elems, dtype=dtype, device=device)
         self._gen = g
+
+    @property
+    def up_width(self) -> int:
+        """Columns the gate/up GEMM writes on the default path (SiLU*up fused: I)."""
+        return self.I
 
     def expert_bytes(self) -> int:
         return 3 * self.I * self.H * torch.tensor([], dtype=self.dtype).element_size()

@@ -25,6 +25,20 @@ tables are also inside the JSON; write them out here with
         --out-dir kernels/rimuru_kernels/configs
 
 --cpu-smoke checks the plumbing here (tiny shape, Triton interpreter, host clock).
+
+``--kernel sglang`` tunes SGLang 0.5.17's ``fused_moe_kernel`` instead, with
+the same grid, inputs, timing and pick: its gate/up GEMM (unfused, [T*k, 2I];
+SGLang's SiLU*up is a separate kernel) and its down GEMM, as
+``fused_experts_impl`` launches them on contiguous weights
+(``sglang_rig.SGLangRig``). Its reference is the config SGLang picks today
+(its shipped table, or its default config where it has none). It writes
+SGLang's tables, named by SGLang's own ``get_config_file_name``, in the layout
+its lookup reads with ``SGLANG_MOE_CONFIG_DIR=<out-dir>``
+(``<out-dir>/configs/triton_<version>/E=..,N=..,device_name=...json`` and
+``..._down.json``), and ``tune_sglang_moe.json``:
+
+    python3 bench/kernel/tune_paged_moe.py --kernel sglang --out-dir $OUT/sglang_tuned --workers 14
+    python3 bench/kernel/bench_moe_kernels.py --sglang-tuned-dir $OUT/sglang_tuned ...
 """
 
 from __future__ import annotations
@@ -39,6 +53,8 @@ import traceback
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--out-dir", default="tuned")
+ap.add_argument("--kernel", default="paged", choices=["paged", "sglang"],
+                help="whose GEMMs to tune: the paged kernel's (fused SiLU*up) or SGLang's fused_moe_kernel")
 ap.add_argument("--shapes", nargs="*", default=None)
 ap.add_argument("--tokens", type=int, nargs="*", default=None)
 ap.add_argument("--workers", type=int, default=12, help="compile processes (0 = compile while timing)")
@@ -57,6 +73,10 @@ import torch  # noqa: E402
 import paged_rig as rig  # noqa: E402
 from rimuru_kernels import moe_config  # noqa: E402
 
+SGLANG = ARGS.kernel == "sglang"
+if SGLANG:
+    import sglang_rig  # noqa: E402
+
 SMEM_LIMIT = 220 * 1024  # H100/H200: 227 KB dynamic shared memory per block, less some slack
 KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 
@@ -66,8 +86,8 @@ def cfg(bm, bn, bk, g, w, s):
 
 
 def smem_ok(c, which: str = "down") -> bool:
-    """Fits in shared memory; the fused gate/up GEMM ("up") streams two B tiles."""
-    b_tiles = 2 if which == "up" else 1
+    """Fits in shared memory; the paged kernel's fused gate/up GEMM ("up") streams two B tiles."""
+    b_tiles = 2 if which == "up" and not SGLANG else 1
     return c["num_stages"] * (c["BLOCK_SIZE_M"] + b_tiles * c["BLOCK_SIZE_N"]) * c["BLOCK_SIZE_K"] * 2 <= SMEM_LIMIT
 
 
@@ -100,22 +120,31 @@ def shapes_and_tokens():
     return rig.pick_shapes(ARGS.shapes), ARGS.tokens or rig.TOKENS
 
 
+def make_rig(name, shape, dev, **kw):
+    """The tuned kernel's rig: the paged kernel on a scattered pool, or SGLang's on contiguous weights."""
+    if SGLANG:
+        sglang_rig.setup(ARGS.cpu_smoke, tp_group=False)
+        return sglang_rig.SGLangRig(name, **shape, device=dev, **kw)
+    return rig.Rig(name, **shape, device=dev, **kw)
+
+
 # ---- compile phase: every (shape, T, gemm, config) launched once, in worker processes -------
 
 
 def _compile_jobs(jobs):
-    """Worker: launch each job once on an uninitialized pool (fills Triton's disk cache)."""
+    """Worker: launch each job once on uninitialized weights (fills Triton's disk cache)."""
     dev = torch.device("cpu" if ARGS.cpu_smoke else "cuda")
+    dtype = torch.float32 if ARGS.cpu_smoke else torch.bfloat16
     rigs, failures = {}, []
     for name, shape, T, which, c in jobs:
         try:
             if name not in rigs:
-                rigs[name] = rig.Rig(name, **shape, device=dev, weights=False)
+                rigs[name] = make_rig(name, shape, dev, dtype=dtype, weights=False)
             r = rigs[name]
             x, tw, ti, act_in = r.inputs(T, 1)[0]
             al = r.align(ti, c["BLOCK_SIZE_M"])
             if which == "up":
-                r.gemm_up(x, tw, al, torch.empty(T * r.k, r.I, dtype=r.dtype, device=dev), c)
+                r.gemm_up(x, tw, al, torch.empty(T * r.k, r.up_width, dtype=r.dtype, device=dev), c)
             else:
                 r.gemm_down(act_in, tw, al, torch.empty(T * r.k, r.H, dtype=r.dtype, device=dev), c)
             if not ARGS.cpu_smoke:
@@ -166,7 +195,7 @@ def tune_size(r, T, rec):
     sets = r.inputs(T, 1 if ARGS.cpu_smoke else rig.input_sets(T))
     rec["distinct_experts_mean"] = r.distinct_experts(sets)
     aligned = {}
-    outs_up = [torch.empty(T * r.k, r.I, dtype=r.dtype, device=dev) for _ in sets]
+    outs_up = [torch.empty(T * r.k, r.up_width, dtype=r.dtype, device=dev) for _ in sets]
     outs_dn = [torch.empty(T * r.k, r.H, dtype=r.dtype, device=dev) for _ in sets]
 
     def run(which, c):
@@ -203,15 +232,22 @@ def tune_size(r, T, rec):
     bm = min(per_bm, key=lambda b: per_bm[b]["sum_us"])
     rec["pick"] = per_bm[bm]
 
-    # References, timed the same way: the table shipped now, and SGLang's tuned configs.
+    # References, timed the same way. Paged: the table shipped now, and SGLang's tuned configs.
+    # SGLang: the configs SGLang picks today (its table, or its default config without one).
     refs = {}
-    try:
-        shipped = moe_config.get_paged_moe_config(r.E, r.I, T, dev)
-        shipped_down = moe_config.get_paged_moe_down_config(r.E, r.I, T, dev) or shipped
-        refs["shipped"] = (shipped, shipped_down)
-    except Exception as exc:
-        rec["shipped_error"] = str(exc)
-    st = None if ARGS.cpu_smoke else rig.sglang_table(r.E, r.I)
+    if SGLANG:
+        try:
+            refs["sglang"] = sglang_rig.resolve_configs(r.E, r.H, r.I, r.k, T, r.dtype)
+        except Exception as exc:
+            rec["sglang_error"] = f"{type(exc).__name__}: {exc}"
+    else:
+        try:
+            shipped = moe_config.get_paged_moe_config(r.E, r.I, T, dev)
+            shipped_down = moe_config.get_paged_moe_down_config(r.E, r.I, T, dev) or shipped
+            refs["shipped"] = (shipped, shipped_down)
+        except Exception as exc:
+            rec["shipped_error"] = str(exc)
+    st = None if ARGS.cpu_smoke or SGLANG else rig.sglang_table(r.E, r.I)
     if st:
         up = rig.nearest(st, T)
         sd = rig.sglang_table(r.E, r.I, down=True)
@@ -231,9 +267,12 @@ def main():
     shapes, tokens = shapes_and_tokens()
     dev = torch.device("cpu" if ARGS.cpu_smoke else "cuda")
     os.makedirs(ARGS.out_dir, exist_ok=True)
-    res = dict(meta=dict(device=None if ARGS.cpu_smoke else torch.cuda.get_device_name(),
+    res = dict(meta=dict(device=None if ARGS.cpu_smoke else torch.cuda.get_device_name(), kernel=ARGS.kernel,
                          torch=torch.__version__, triton=rig.triton.__version__, tokens=tokens,
                          argv=sys.argv[1:]), sizes=[], skipped=[])
+    if SGLANG:
+        res["meta"]["sglang"] = sglang_rig.setup(ARGS.cpu_smoke, tp_group=False)
+        res["meta"]["sglang_device_name"] = sglang_rig.configs_module().get_device_name()
     if ARGS.cpu_smoke:
         global candidates
         full = candidates
@@ -241,11 +280,11 @@ def main():
     n, failures = precompile(shapes, tokens)
     res["meta"].update(compile_launches=n, compile_failures=[list(f[:3]) + [f[3], f[4]] for f in failures],
                        compile_s=round(time.time() - T0, 1))
-    out_json = os.path.join(ARGS.out_dir, "tune_paged_moe.json")
+    out_json = os.path.join(ARGS.out_dir, "tune_sglang_moe.json" if SGLANG else "tune_paged_moe.json")
     # The sizes the issue's targets missed first, so a short budget still covers them.
     order = sorted(tokens, key=lambda T: (T not in (4096, 8192, 1, 4), tokens.index(T)))
     for name, shape in shapes.items():
-        r = rig.Rig(name, **shape, device=dev, dtype=torch.float32 if ARGS.cpu_smoke else torch.bfloat16)
+        r = make_rig(name, shape, dev, dtype=torch.float32 if ARGS.cpu_smoke else torch.bfloat16)
         ups, downs = {}, {}
         for T in order:
             if time.time() - T0 > ARGS.budget_s:
@@ -270,7 +309,10 @@ def main():
                       f" [{rec['seconds']} s]", flush=True)
             with open(out_json, "w") as f:
                 json.dump(res, f, indent=1)
-        if ups and not ARGS.cpu_smoke:
+        if ups and SGLANG:  # also on CPU: the bench's dry run reads them through SGLang's lookup
+            for path in sglang_rig.write_tables(ARGS.out_dir, shape["E"], shape["I"], r.dtype, ups, downs):
+                print(f"wrote {path}")
+        elif ups and not ARGS.cpu_smoke:
             write_tables(ARGS.out_dir, shape, moe_config.device_name(dev), ups, downs)
     res["meta"]["elapsed_s"] = round(time.time() - T0, 1)
     with open(out_json, "w") as f:
@@ -298,12 +340,23 @@ def tables_from(path):
             ups, downs = picks.setdefault(rec["shape"], (shape, {}, {}))[1:]
             ups[rec["tokens"]], downs[rec["tokens"]] = rec["pick"]["up"], rec["pick"]["down"]
     os.makedirs(ARGS.out_dir, exist_ok=True)
+    if res["meta"].get("kernel") == "sglang":  # SGLang's layout and names, for the tuning device
+        import sglang_rig
+
+        with sglang_rig.device_name_as(res["meta"]["device"]):
+            for shape, ups, downs in picks.values():
+                for p in sglang_rig.write_tables(ARGS.out_dir, shape["E"], shape["I"], torch.bfloat16, ups, downs):
+                    print(f"wrote {p}")
+        return
     for shape, ups, downs in picks.values():
         write_tables(ARGS.out_dir, shape, device_name, ups, downs)
 
 
 def print_table(res):
-    print("\n| shape | T | tuned us (up+down) | shipped us | SGLang cfg us | tuned/SGLang | BM | up (BN,BK,G,w,s) |"
+    what = "SGLang's fused_moe_kernel (gate/up unfused)" if SGLANG else "the paged kernel (gate/up with SiLU*up)"
+    ref = "SGLang today us" if SGLANG else "SGLang cfg us"
+    print(f"\ntuned: {what}; SGLang today = its shipped table, or its default config without one")
+    print(f"\n| shape | T | tuned us (up+down) | shipped us | {ref} | tuned/SGLang | BM | up (BN,BK,G,w,s) |"
           " down (BN,BK,G,w,s) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for rec in res["sizes"]:

@@ -60,25 +60,32 @@ def _read(path: Path) -> dict[int, dict]:
         return {int(k): v for k, v in json.load(f).items()}
 
 
+def config_files(num_experts: int, inter_size: int, device_name: str) -> tuple[Path, Path | None]:
+    """The files the lookup reads for this shape and device: (gate/up table, down table or None).
+
+    The gate/up table is the shape's own file or ``configs/default.json``. The
+    down table is only looked up beside a shape's own table, in the same folder:
+    a down table tuned against another gate/up table could pair different
+    BLOCK_SIZE_Ms.
+    """
+    up = _find(config_file_name(num_experts, inter_size, device_name))
+    if up is None:
+        return CONFIG_DIR / DEFAULT_CONFIG_FILE, None
+    down = up.parent / config_file_name(num_experts, inter_size, device_name, down=True)
+    return up, down if down.is_file() else None
+
+
 @functools.lru_cache(maxsize=None)
 def load_configs(num_experts: int, inter_size: int, device_name: str) -> dict[int, dict]:
     """{token count: config} for this shape and device, or the default table."""
-    path = _find(config_file_name(num_experts, inter_size, device_name))
-    return _read(path or CONFIG_DIR / DEFAULT_CONFIG_FILE)
+    return _read(config_files(num_experts, inter_size, device_name)[0])
 
 
 @functools.lru_cache(maxsize=None)
 def load_down_configs(num_experts: int, inter_size: int, device_name: str) -> dict[int, dict] | None:
-    """The down GEMM's own table, or None (it then takes the gate/up configs).
-
-    Only looked up beside a shape's own table, in the same folder: a down table
-    tuned against another gate/up table could pair different BLOCK_SIZE_Ms.
-    """
-    up = _find(config_file_name(num_experts, inter_size, device_name))
-    if up is None:
-        return None
-    down = up.parent / config_file_name(num_experts, inter_size, device_name, down=True)
-    return _read(down) if down.is_file() else None
+    """The down GEMM's own table, or None (it then takes the gate/up configs)."""
+    down = config_files(num_experts, inter_size, device_name)[1]
+    return None if down is None else _read(down)
 
 
 def _nearest(configs: dict[int, dict], num_tokens: int) -> dict:

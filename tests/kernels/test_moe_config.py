@@ -102,3 +102,33 @@ def test_shipped_down_tables_pair_with_their_up_tables():
         assert set(up) == set(down), path.name
         for tokens in up:
             assert up[tokens]["BLOCK_SIZE_M"] == down[tokens]["BLOCK_SIZE_M"], (path.name, tokens)
+
+
+@pytest.mark.parametrize("E,N", [(60, 1408), (128, 768)])  # Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B at TP1
+def test_served_shapes_have_h200_tables(monkeypatch, E, N):
+    """--rimuru-moe-kernel fast on the H200 reads the tuned tables (gate/up and down) of the served shapes."""
+    monkeypatch.delenv("RIMURU_KERNELS_CONFIG_DIR", raising=False)
+    monkeypatch.setattr(moe_config, "device_name", lambda device: "NVIDIA_H200")
+    up, down = moe_config.config_files(E, N, "NVIDIA_H200")
+    assert up == moe_config.CONFIG_DIR / f"E={E},N={N},device_name=NVIDIA_H200.json"
+    assert down == moe_config.CONFIG_DIR / f"E={E},N={N},device_name=NVIDIA_H200_down.json"
+    moe_config.load_configs.cache_clear()
+    moe_config.load_down_configs.cache_clear()
+    try:
+        cuda = torch.device("cuda", 0)
+        table = json.loads(up.read_text())
+        down_table = json.loads(down.read_text())
+        for m in (1, 7, 64, 300, 8192):
+            key = str(min((int(k) for k in table), key=lambda k: abs(k - m)))
+            assert moe_config.get_paged_moe_config(E, N, m, cuda) == table[key]
+            assert moe_config.get_paged_moe_down_config(E, N, m, cuda) == down_table[key]
+            assert down_table[key]["BLOCK_SIZE_M"] == table[key]["BLOCK_SIZE_M"]  # one alignment for both
+    finally:
+        moe_config.load_configs.cache_clear()
+        moe_config.load_down_configs.cache_clear()
+
+
+def test_shape_without_a_table_reads_default_and_no_down_table():
+    # Qwen1.5-MoE-A2.7B at TP2 (N=704) has no table: default.json, and the down GEMM takes its config
+    assert moe_config.config_files(60, 704, "NVIDIA_H200") == (moe_config.CONFIG_DIR / "default.json", None)
+    assert moe_config.config_files(60, 1408, "Some_Other_GPU") == (moe_config.CONFIG_DIR / "default.json", None)

@@ -11,8 +11,9 @@ Seams (all inert unless the mode is on; ledger in ``patches/README.md``):
   the KV buffers are views of the pool's bytes; the allocator asks the pool;
 * ``ModelRunner.forward``: per-forward state of the expert manager;
 * ``FusedMoE.run_moe_core``: managed layers compute from the pool; on CUDA
-  with SGLang's own launch configs, SiLU*up and top-k combine
-  (``sglang_moe.py``, ledger row ``experts.kernel_hooks``).
+  the paged kernel with ``--rimuru-moe-kernel exact`` (default) gets SGLang's
+  own launch configs, SiLU*up and top-k combine (``sglang_moe.py``, ledger row
+  ``experts.kernel_hooks``), with ``fast`` its own (``RimuruRuntime.kernel_hooks``).
 """
 
 from __future__ import annotations

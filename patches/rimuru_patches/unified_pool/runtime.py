@@ -14,8 +14,10 @@ SGLang builds its KV pool:
 
 During a forward pass ``FusedMoE.run_moe_core`` of a managed layer calls
 :meth:`RimuruRuntime.moe_forward` instead of SGLang's quant method. On CUDA the
-manager's paged kernel gets SGLang's launch configs, SiLU*up and top-k combine
-(``sglang_moe.py``), so its outputs are bit-identical to SGLang's fused MoE.
+manager's paged kernel runs as ``--rimuru-moe-kernel`` says
+(:meth:`RimuruRuntime.kernel_hooks`): ``exact`` gives it SGLang's launch
+configs, SiLU*up and top-k combine (``sglang_moe.py``), so its outputs are
+bit-identical to SGLang's fused MoE; ``fast`` leaves it its own defaults.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from sglang_rimuru.experts import (
     ExpertRanking,
     ExpertResidency,
     HostExpertStore,
+    KernelHooks,
     LoadBuffers,
     MoEShape,
     load_ranking,
@@ -168,8 +171,9 @@ class RimuruRuntime:
         cls._place_residents(plan, config, shape, page_pool, ranking, residency)
         gates = {layer_id: gate for layer_id, (_, gate) in layers.items()}
         manager = ExpertManager(shape, buffer, residency, host, load_buffers, gates, device)
+        kernel = "torch (CPU)"
         if device.type == "cuda":
-            manager.kernel_hooks = cls._sglang_kernel_hooks(layers, shape, server_args)
+            manager.kernel_hooks, kernel = cls.kernel_hooks(config, layers, shape, server_args, device)
         manager.upload_resident()
         elastic = None
         if config.mode == "elastic":
@@ -191,7 +195,7 @@ class RimuruRuntime:
         logger.info(
             "sglang-rimuru %s pool: %.3f GiB in %d expert pages of %d B; %d resident experts "
             "(%s of %d per layer x %d layers), load buffers 2 x %d, KV now %d tokens, at most %d; "
-            "%d experts (%.3f GiB) in host memory; ranking: %s",
+            "%d experts (%.3f GiB) in host memory; ranking: %s; MoE kernel: %s",
             config.mode,
             geometry.pool_bytes / GIB,
             geometry.num_expert_pages,
@@ -206,6 +210,7 @@ class RimuruRuntime:
             len(shape.layer_ids) * shape.num_experts,
             host.nbytes / GIB,
             config.expert_ranking or "expert index order",
+            kernel,
         )
         for layer_id in shape.layer_ids[:4]:
             logger.info("sglang-rimuru layer %d resident experts: %s", layer_id, residency.resident(layer_id))
@@ -231,13 +236,42 @@ class RimuruRuntime:
         residency.place_all_but(pick_offloaded_at_start(shape.layer_ids, ranking, plan.offload_limit, n_out))
 
     @staticmethod
-    def _sglang_kernel_hooks(layers, shape: MoEShape, server_args):
-        """SGLang's configs, SiLU*up and combine for the paged kernel (CUDA); loud if SGLang moved them."""
-        from rimuru_patches.unified_pool.sglang_moe import sglang_kernel_hooks
+    def kernel_hooks(config: RimuruConfig, layers, shape: MoEShape, server_args,
+                     device: torch.device) -> tuple[KernelHooks, str]:
+        """The paged kernel's hooks on CUDA for ``--rimuru-moe-kernel``, and the start line's words for them.
 
+        * ``exact``: SGLang's launch configs (up and down), ``silu_and_mul`` and
+          top-k combine (``sglang_moe.py``): outputs bit-equal to ``--rimuru-mode off``;
+          loud if SGLang moved them.
+        * ``fast``: ``KernelHooks()``, the kernel's own defaults: its config tables
+          (``rimuru_kernels/configs``, looked up by E, N = the per-shard
+          intermediate size and the token count; ``default.json`` for a shape or
+          GPU without a table), SiLU*up fused into the gate/up GEMM, its Triton
+          top-k sum. Refused for layers with a ``routed_scaling_factor`` other
+          than 1, which that sum does not apply.
+        """
         scales = {getattr(moe.moe_runner_config, "routed_scaling_factor", None) for moe, _ in layers.values()}
         if len(scales) > 1:
             raise RuntimeError(f"--rimuru-mode: MoE layers use different routed_scaling_factor values {scales}")
+        scale = scales.pop()
+        if config.moe_kernel == "fast":
+            if scale not in (None, 1.0):
+                raise RuntimeError(f"--rimuru-moe-kernel fast: the MoE layers scale their output by "
+                                   f"routed_scaling_factor {scale}, which the kernel's top-k sum does not apply; "
+                                   "use --rimuru-moe-kernel exact")
+            from rimuru_kernels import moe_config
+
+            up, down = moe_config.config_files(shape.num_experts, shape.inter, moe_config.device_name(device))
+            tables = up.name + (f" + {down.name}" if down else "")
+            return KernelHooks(), f"fast (configs {tables}; SiLU*up fused, Triton top-k sum)"
+        return (RimuruRuntime._sglang_kernel_hooks(shape, server_args, scale),
+                "exact (SGLang's configs, silu_and_mul and top-k sum: bit-equal to --rimuru-mode off)")
+
+    @staticmethod
+    def _sglang_kernel_hooks(shape: MoEShape, server_args, scale: float | None) -> KernelHooks:
+        """SGLang's configs, SiLU*up and combine for the paged kernel (CUDA); loud if SGLang moved them."""
+        from rimuru_patches.unified_pool.sglang_moe import sglang_kernel_hooks
+
         if getattr(server_args, "enable_fused_moe_sum_all_reduce", False) and shape.top_k > 2:
             logger.warning(
                 "sglang-rimuru: --enable-fused-moe-sum-all-reduce: SGLang's down GEMM adds atomically into "
@@ -249,7 +283,7 @@ class RimuruRuntime:
             inter=shape.inter,
             top_k=shape.top_k,
             dtype=shape.dtype,
-            routed_scaling_factor=scales.pop(),
+            routed_scaling_factor=scale,
         )
 
     @staticmethod

@@ -1,0 +1,41 @@
+"""``RimuruConfig``: the project's flags parse into one frozen dataclass; bad combinations fail naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from sglang_rimuru.config import MOE_KERNELS, RimuruConfig
+
+
+def parse(*argv: str) -> RimuruConfig:
+    parser = argparse.ArgumentParser()
+    RimuruConfig.add_cli_args(parser)
+    return RimuruConfig.from_cli_args(parser.parse_args(argv))
+
+
+def test_defaults_are_the_dataclass_defaults():
+    assert parse() == RimuruConfig()
+    assert RimuruConfig().moe_kernel == "exact"
+
+
+@pytest.mark.parametrize("kernel", MOE_KERNELS)
+@pytest.mark.parametrize("mode", ["static", "elastic"])
+def test_moe_kernel_flag_in_pool_modes(mode, kernel):
+    config = parse("--rimuru-mode", mode, "--rimuru-moe-kernel", kernel)
+    assert config.moe_kernel == kernel
+    assert RimuruConfig.from_dict(config.to_dict()) == config  # what the spawned processes get
+
+
+def test_moe_kernel_fast_needs_a_pool_mode():
+    with pytest.raises(ValueError, match=r"^--rimuru-moe-kernel need --rimuru-mode static or elastic$"):
+        parse("--rimuru-moe-kernel", "fast")
+    assert parse("--rimuru-moe-kernel", "exact") == RimuruConfig()  # the default is fine anywhere
+
+
+def test_unknown_moe_kernel():
+    with pytest.raises(SystemExit):  # argparse: one "invalid choice" line
+        parse("--rimuru-mode", "static", "--rimuru-moe-kernel", "turbo")
+    with pytest.raises(ValueError, match=r"--rimuru-moe-kernel: unknown kernel 'turbo'; choose from exact, fast"):
+        RimuruConfig(mode="static", moe_kernel="turbo")
