@@ -27,6 +27,7 @@ RULES = [
     ("sglang_rimuru/experts/manager.py", {"torch", "sglang_rimuru.pool"}, {"rimuru_kernels"}),
     ("sglang_rimuru/adjuster/__init__.py", set(), set()),  # loads adjuster.py (torch) only on first use
     ("sglang_rimuru/adjuster/policy.py", set(), set()),
+    ("sglang_rimuru/adjuster/cost.py", set(), set()),  # arithmetic only
     ("sglang_rimuru/adjuster/selection.py", set(), set()),
     ("sglang_rimuru/adjuster/orders.py", set(), set()),
     ("sglang_rimuru/adjuster/adjuster.py", {"sglang_rimuru.pool", "sglang_rimuru.experts"}, set()),
