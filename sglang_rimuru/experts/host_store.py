@@ -34,9 +34,12 @@ class HostExpertStore:
     def __init__(self, shape: MoEShape, pin_memory: bool) -> None:
         self.shape = shape
         self.pinned = bool(pin_memory) and torch.cuda.is_available()
+        # Pinned stores are left uninitialised: at a real shape zero-filling tens of
+        # GiB of page-locked memory is most of a start-up, and the runtime fills every
+        # layer (put_fused) before anything reads it. Unpinned (tests, CPU) are zeroed.
+        alloc = torch.empty if self.pinned else torch.zeros
         self._layers: dict[int, torch.Tensor] = {
-            lid: torch.zeros((shape.num_experts, 3, shape.matrix_elems), dtype=shape.dtype,
-                             pin_memory=self.pinned)
+            lid: alloc((shape.num_experts, 3, shape.matrix_elems), dtype=shape.dtype, pin_memory=self.pinned)
             for lid in shape.layer_ids
         }
 
