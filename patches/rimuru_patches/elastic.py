@@ -7,7 +7,10 @@ SGLang 0.5.17's scheduler loop (ledger in ``patches/README.md``):
 * ``Scheduler.get_next_batch_to_run`` (after it returns): the round hook. The
   adjuster plans this round's order from the shortfall the round recorded;
   the order goes to the worker over the ZMQ link; the invariant checker's
-  copy of the KV capacity follows the split.
+  copy of the KV capacity follows the split.  At TP > 1 every round's orders
+  are compared across the ranks over SGLang's TP CPU group (``tp_agreement``,
+  ``sglang_rimuru/adjuster/agreement.py``): a mismatch stops the scheduler
+  with one log line naming the round, the ranks and their digests.
 * ``PrefillAdder.add_one_req`` returning ``NO_TOKEN``: the KV the refused
   request lacks (what its own budget check compared) becomes the adjuster's
   demand until the request gets in; once an eviction completes, SGLang's
@@ -86,15 +89,45 @@ def _free_cache_for_restores(scheduler, ctl) -> None:
         sync_capacity(scheduler)
 
 
+def tp_agreement(tp_group):
+    """Each round's orders compared across SGLang's TP group (its CPU side, gloo):
+    one all-gather of 3 int64 per rank per round; None at TP = 1.
+
+    ``tp_group``: the scheduler's ``GroupCoordinator`` (``world_size``,
+    ``rank_in_group``, ``cpu_group``), the group SGLang broadcasts requests over.
+    """
+    if tp_group.world_size == 1:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    from sglang_rimuru.adjuster.agreement import TPAgreement
+
+    size, cpu_group = tp_group.world_size, tp_group.cpu_group
+
+    def gather(row):
+        out = torch.empty(size * len(row), dtype=torch.int64)
+        dist.all_gather_into_tensor(out, torch.tensor(row, dtype=torch.int64), group=cpu_group)
+        return out.view(size, len(row)).tolist()
+
+    return TPAgreement(gather, tp_group.rank_in_group)
+
+
+def _attach(scheduler, ctl) -> None:
+    """First round: tie the controller to this scheduler."""
+    ctl.on_change = lambda done: _after_change(scheduler)
+    ctl.agreement = tp_agreement(scheduler.tp_group)
+    _Metrics.maybe_start(scheduler, ctl)
+
+
 def _round(orig, ctx):
     def get_next_batch_to_run(self, *args, **kwargs):
-        plan = orig(self, *args, **kwargs)
         ctl = _controller()
         if ctl is None:
-            return plan
+            return orig(self, *args, **kwargs)
         if ctl.on_change is None:
-            ctl.on_change = lambda done: _after_change(self)
-            _Metrics.maybe_start(self, ctl)
+            _attach(self, ctl)
+        plan = orig(self, *args, **kwargs)
         if not self.waiting_queue:
             ctl.clear_demand()
             if plan.batch_to_run is None and plan.running_batch.is_empty():

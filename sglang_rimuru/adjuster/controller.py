@@ -9,7 +9,9 @@ scheduler loop where the integrator (``patches/rimuru_patches/elastic``) calls i
                         until the request is admitted or the queue empties
                         (``clear_demand``), because SGLang does not retry a
                         refused prefill every round
-    round(...)          after the round's batch is chosen: plan one order, send it
+    round(...)          after the round's batch is chosen: plan one order, send
+                        it; at TP > 1 compare the round's orders across the
+                        ranks (``agreement``, ``agreement.py``)
     before_forward()    start of the forward pass: the worker takes the order
     after_forward()     end of the pass: acks come back, orders complete
     urgent(n)           a decode step needs n KV pages in all and they are not
@@ -44,6 +46,7 @@ import logging
 import time
 from collections import Counter
 
+from .agreement import TPAgreement
 from .applier import OrderApplier
 from .link import OrderLink
 from .orders import MigrationOrder, encode
@@ -63,6 +66,8 @@ class ElasticController:
         self.check_invariants = check_invariants
         #: called after the split changed (the integrator re-syncs SGLang's capacity copies)
         self.on_change = None
+        #: TP > 1: each round's orders compared across the ranks (set by the integrator)
+        self.agreement: TPAgreement | None = None
         self._round = 0
         self._demand = 0
         #: pages were freed by evictions since the integrator last looked (it lets
@@ -98,6 +103,10 @@ class ElasticController:
         self._waiting = waiting
         self.settle()  # an order whose pass never ran: no pass is running now
         order = self._plan(self._demand)
+        if self.agreement is not None:
+            # every rank, every round (urgent orders of this round included), before
+            # any pass runs the order: RanksDisagree stops the scheduler
+            self.agreement.check()
         if order is not None and not forward_follows:
             self.settle()
         return order
@@ -168,10 +177,14 @@ class ElasticController:
     # ---------------------------------------------------------------- internals
 
     def _plan(self, short: int) -> MigrationOrder | None:
-        order = self.adjuster.plan_round(self._round, short)
+        round_no = self._round
+        order = self.adjuster.plan_round(round_no, short)
         self._round += 1
-        if order is not None:
-            self.link.send_order(encode(order))
+        encoded = None if order is None else encode(order)
+        if self.agreement is not None:
+            self.agreement.planned(round_no, order, encoded)
+        if encoded is not None:
+            self.link.send_order(encoded)
         return order
 
     def _collect(self) -> list[MigrationOrder]:
