@@ -11,11 +11,13 @@ SGLang 0.5.17's scheduler loop (ledger in ``patches/README.md``):
   are compared across the ranks over SGLang's TP CPU group (``tp_agreement``,
   ``sglang_rimuru/adjuster/agreement.py``): a mismatch stops the scheduler
   with one log line naming the round, the ranks and their digests.
-* ``PrefillAdder.add_one_req`` returning ``NO_TOKEN``: the KV the refused
-  request lacks (what its own budget check compared) becomes the adjuster's
-  demand until the request gets in; once an eviction completes, SGLang's
-  ``batch_is_full`` is cleared so the next round tries the prefill again
-  (``controller.py`` says in which round it is admitted).
+* ``PrefillAdder.add_one_req`` returning ``NO_TOKEN``: the KV the head of the
+  waiting queue lacks (the requests SGLang would admit this round if memory
+  allowed, found by SGLang's own ``add_one_req`` on probes with more free KV:
+  ``prefill_head.py``) becomes the adjuster's demand until a request gets in;
+  once an eviction completes, SGLang's ``batch_is_full`` is cleared so the next
+  round tries the prefill again (``controller.py`` says in which round it is
+  admitted).
 * ``ScheduleBatch.check_decode_mem`` failing: before SGLang retracts running
   requests, evict experts now (no forward pass is running) while the offload
   limit allows; retract only what eviction cannot cover.
@@ -113,8 +115,15 @@ def tp_agreement(tp_group):
     return TPAgreement(gather, tp_group.rank_in_group)
 
 
+#: this process's scheduler (one per process), set by the round hook: the
+#: prefill-demand seam reads its waiting queue and request limit
+_scheduler = None
+
+
 def _attach(scheduler, ctl) -> None:
     """First round: tie the controller to this scheduler."""
+    global _scheduler
+    _scheduler = scheduler
     ctl.on_change = lambda done: _after_change(scheduler)
     ctl.agreement = tp_agreement(scheduler.tp_group)
     _Metrics.maybe_start(scheduler, ctl)
@@ -144,7 +153,9 @@ def _round(orig, ctx):
 
 
 def _prefill_shortfall(orig, ctx):
-    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddReqResult
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    from rimuru_patches.prefill_head import head_demand
 
     def add_one_req(self, req, *args, **kwargs):
         result = orig(self, req, *args, **kwargs)
@@ -152,12 +163,19 @@ def _prefill_shortfall(orig, ctx):
         if ctl is None:
             return result
         if result is AddReqResult.NO_TOKEN:
-            # What PrefillAdder's own check wanted for this request, beyond its budget
-            # (free + evictable radix tokens - what running requests will still need).
-            max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
-            want = len(req.full_untruncated_fill_ids) - len(req.prefix_indices) + max_new + self.page_size
-            short = max(1, want - int(self.rem_total_tokens) + 1)
-            ctl.note_demand(self.token_to_kv_pool_allocator.available_size() + short)
+            # SGLang's loop stops here: what the queue's head lacks, found by SGLang's own
+            # add_one_req on probes with more free KV (prefill_head.py)
+            sched = _scheduler
+            queue = sched.waiting_queue if sched is not None else [req]
+            limit = (sched.get_num_allocatable_reqs(len(self.running_batch.reqs))
+                     if sched is not None and self.running_batch is not None else None)
+            head = head_demand(orig, self, req, queue, limit, args, kwargs)
+            if head is None:
+                ctl.clear_demand()  # more KV would admit nothing more this round
+            else:
+                ctl.note_demand(self.token_to_kv_pool_allocator.available_size() + head.extra_tokens)
+                logger.debug("sglang-rimuru: prefill refused for KV: the head of %d requests lacks %d tokens "
+                             "(%d probes)", head.requests, head.extra_tokens, head.probes)
         elif result is AddReqResult.CONTINUE:
             ctl.clear_demand()
         return result

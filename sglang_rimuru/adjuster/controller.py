@@ -4,11 +4,12 @@ It ties the ``Adjuster`` (what to move), the ``OrderLink`` (ZMQ) and the
 worker's ``OrderApplier`` (safe application) to the points of SGLang's
 scheduler loop where the integrator (``patches/rimuru_patches/elastic``) calls it:
 
-    note_demand(n)      the scheduler refused a prefill: it needs n KV pages in
-                        all (what is free now + what it lacked); the demand stands
-                        until the request is admitted or the queue empties
-                        (``clear_demand``), because SGLang does not retry a
-                        refused prefill every round
+    note_demand(n)      the scheduler refused a prefill: the head of its waiting
+                        queue needs n KV pages in all (what is free now + what
+                        it lacked); the demand stands until a request is
+                        admitted or the queue empties (``clear_demand``),
+                        because SGLang does not retry a refused prefill every
+                        round
     round(...)          after the round's batch is chosen: plan one order, send
                         it; at TP > 1 compare the round's orders across the
                         ranks (``agreement``, ``agreement.py``)
@@ -82,11 +83,11 @@ class ElasticController:
     # ---------------------------------------------------------------- scheduler side
 
     def note_demand(self, kv_pages: int) -> None:
-        """The scheduler could not admit a request that needs ``kv_pages`` KV pages in all."""
+        """The scheduler could not admit the head of its waiting queue, which needs ``kv_pages`` KV pages in all."""
         self._demand = int(kv_pages)
 
     def clear_demand(self) -> None:
-        """The refused request got in, or nothing waits any more."""
+        """A waiting request got in, or nothing waits any more (or more KV would admit nothing)."""
         self._demand = 0
 
     @property
