@@ -8,10 +8,13 @@ Two measurements, written to ``--out`` (JSON) and printed:
   with the production gather (``rimuru_patches.elastic.tp_agreement``), and
   ``planned`` with a typical order (digest of its encoding).
 * ``server``: a TP=2 ``--rimuru-mode elastic`` server (tiny model, the
-  elastic tests' flags) serving a burst of 16 requests twice; a bench-only
-  ``sitecustomize`` times, on each rank, every round hook's ``check`` and the
-  wall time between round hooks (busy rounds run a forward pass, idle rounds
-  do not).
+  elastic tests' flags) serving a burst of 16 requests twice, as served
+  (``check``) or with the controller's ``agreement`` removed (``nocheck``); a
+  bench-only ``sitecustomize`` times, on each rank, every ``check`` (which
+  includes waiting for the later rank), in ``probe`` runs the same all-gather
+  repeated right after it (``gather_again``: no wait in it, the check's own
+  cost), and the wall time between round hooks (``forward``: rounds that run
+  a forward pass; ``other``: rounds that do not, mostly SGLang's idle spin).
 
     python bench/tp_agreement.py --out bench/results/tp_agreement_cpu.json
 """
@@ -82,35 +85,45 @@ def micro(n: int) -> dict:
 
 TIMING_SHIM = textwrap.dedent(
     """
-    # bench only: per-rank timing of the round hook's TP agreement check
-    import atexit, json, os, time
+    # bench only: per-rank timing of the round hook and its TP agreement check
+    import json, os, time
     from sglang_rimuru.adjuster import agreement as _agreement
     from sglang_rimuru.adjuster import controller as _controller
 
     _OUT = os.environ["RIMURU_BENCH_OUT"]
-    _s = {"busy": [0, 0.0], "idle": [0, 0.0], "check": [0, 0.0]}
+    _CHECK = os.environ["RIMURU_BENCH_MODE"] != "nocheck"
+    _AGAIN = os.environ["RIMURU_BENCH_MODE"] == "probe"
+    _s = {"forward": [0, 0.0], "other": [0, 0.0], "check": [0, 0.0], "gather_again": [0, 0.0]}
     _last = [None, None]
     _check = _agreement.TPAgreement.check
     _round = _controller.ElasticController.round
 
     def check(self):
         t = time.perf_counter()
-        try:
-            return _check(self)
-        finally:
-            _s["check"][0] += 1
-            _s["check"][1] += time.perf_counter() - t
+        _check(self)
+        _s["check"][0] += 1
+        _s["check"][1] += time.perf_counter() - t
+        if _AGAIN:
+            # the same all-gather once more, right after: the ranks just met, so this
+            # one has no wait for a late rank in it (what the check costs by itself)
+            t = time.perf_counter()
+            self._gather((0, 0, 0))
+            _s["gather_again"][0] += 1
+            _s["gather_again"][1] += time.perf_counter() - t
 
-    def round(self, *, forward_follows, waiting=0):
+    def round(self, *, forward_follows, waiting=0, busy=True):
+        if not _CHECK:
+            self.agreement = None
         now = time.perf_counter()
         if _last[0] is not None:  # the previous round, hook to hook
-            k = "busy" if _last[1] else "idle"
+            k = "forward" if _last[1] else "other"
             _s[k][0] += 1
             _s[k][1] += now - _last[0]
         _last[:] = [now, forward_follows]
-        out = _round(self, forward_follows=forward_follows, waiting=waiting)
-        if self.agreement is not None and self.agreement.checks % 500 == 0:
-            with open(f"{_OUT}.tp{self.agreement.rank}", "w") as f:
+        out = _round(self, forward_follows=forward_follows, waiting=waiting, busy=busy)
+        if (_s["forward"][0] + _s["other"][0]) % 100 == 0:
+            import torch.distributed as dist
+            with open(f"{_OUT}.tp{dist.get_rank()}", "w") as f:
                 json.dump(_s, f)
         return out
 
@@ -120,7 +133,7 @@ TIMING_SHIM = textwrap.dedent(
 )
 
 
-def server(model_path: str, log: Path) -> dict:
+def server(model_path: str, log: Path, mode: str) -> dict:
     from sglang_rimuru.serving import start_local_server
 
     burst = [f"request {i}: " + "word " * 30 for i in range(16)]
@@ -135,7 +148,7 @@ def server(model_path: str, log: Path) -> dict:
         (Path(tmp) / "sitecustomize.py").write_text(TIMING_SHIM)
         stats = Path(tmp) / "stats"
         env = {"PYTHONPATH": os.pathsep.join([tmp, os.environ.get("PYTHONPATH", "")]),
-               "RIMURU_BENCH_OUT": str(stats)}
+               "RIMURU_BENCH_OUT": str(stats), "RIMURU_BENCH_MODE": mode}
         args = ["--rimuru-mode", "elastic", "--rimuru-expert-offload-limit", "4", "--max-total-tokens", "200",
                 "--context-length", "512", "--model-path", model_path, "--tp-size", "2"]
         srv = start_local_server(args, log, timeout=600, env=env)
@@ -145,29 +158,34 @@ def server(model_path: str, log: Path) -> dict:
                 with cf.ThreadPoolExecutor(len(burst)) as ex:
                     list(ex.map(lambda p: generate(srv.url, p), burst))
             burst_s = (time.perf_counter() - t) / 2
-            time.sleep(3)  # idle rounds
+            time.sleep(5)  # idle rounds
         finally:
             srv.stop()
         ranks = {}
         for r in (0, 1):
             s = json.loads(Path(f"{stats}.tp{r}").read_text())
             ranks[r] = {k: {"rounds": n, "mean_us": 1e6 * total / max(n, 1)} for k, (n, total) in s.items()}
-    return {"burst_wall_s": burst_s, "ranks": ranks}
+    return {"mode": mode, "burst_wall_s": burst_s, "ranks": ranks}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench/results/tp_agreement_cpu.json"))
     ap.add_argument("--calls", type=int, default=5000)
-    ap.add_argument("--skip-server", action="store_true")
+    ap.add_argument("--server-runs", default="probe,check,nocheck,check,nocheck",
+                    help="servers to run, in order: check (as served), nocheck (agreement removed) or probe "
+                         "(check + gather_again); empty: none")
     args = ap.parse_args()
     from sglang_rimuru.models import ensure_model
 
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     result = {"commit": commit, "cpus": os.cpu_count(), "loadavg_before": os.getloadavg(), "micro": micro(args.calls)}
-    if not args.skip_server:
-        result["server"] = server(str(ensure_model("tiny-qwen3-moe")), Path(args.out).with_suffix(".log"))
+    runs = [c for c in args.server_runs.split(",") if c]
+    if runs:
+        model = str(ensure_model("tiny-qwen3-moe"))
+        result["server"] = [server(model, Path(args.out).with_suffix(f".{i}.{mode}.log"), mode)
+                            for i, mode in enumerate(runs)]
     result["loadavg_after"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

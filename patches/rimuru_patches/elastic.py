@@ -7,10 +7,11 @@ SGLang 0.5.17's scheduler loop (ledger in ``patches/README.md``):
 * ``Scheduler.get_next_batch_to_run`` (after it returns): the round hook. The
   adjuster plans this round's order from the shortfall the round recorded;
   the order goes to the worker over the ZMQ link; the invariant checker's
-  copy of the KV capacity follows the split.  At TP > 1 every round's orders
-  are compared across the ranks over SGLang's TP CPU group (``tp_agreement``,
-  ``sglang_rimuru/adjuster/agreement.py``): a mismatch stops the scheduler
-  with one log line naming the round, the ranks and their digests.
+  copy of the KV capacity follows the split.  At TP > 1 the ranks' orders
+  are compared over SGLang's TP CPU group (``tp_agreement``,
+  ``sglang_rimuru/adjuster/agreement.py``) in every round that holds a
+  request: a mismatch stops the scheduler with one log line naming the round,
+  the ranks and their digests.
 * ``PrefillAdder.add_one_req`` returning ``NO_TOKEN``: the KV the head of the
   waiting queue lacks (the requests SGLang would admit this round if memory
   allowed, found by SGLang's own ``add_one_req`` on probes with more free KV:
@@ -92,8 +93,8 @@ def _free_cache_for_restores(scheduler, ctl) -> None:
 
 
 def tp_agreement(tp_group):
-    """Each round's orders compared across SGLang's TP group (its CPU side, gloo):
-    one all-gather of 3 int64 per rank per round; None at TP = 1.
+    """The ranks' orders compared across SGLang's TP group (its CPU side, gloo):
+    one all-gather of 3 int64 per rank per busy round; None at TP = 1.
 
     ``tp_group``: the scheduler's ``GroupCoordinator`` (``world_size``,
     ``rank_in_group``, ``cpu_group``), the group SGLang broadcasts requests over.
@@ -141,7 +142,8 @@ def _round(orig, ctx):
             ctl.clear_demand()
             if plan.batch_to_run is None and plan.running_batch.is_empty():
                 _free_cache_for_restores(self, ctl)
-        ctl.round(forward_follows=plan.batch_to_run is not None, waiting=len(self.waiting_queue))
+        busy = plan.batch_to_run is not None or bool(self.waiting_queue) or not plan.running_batch.is_empty()
+        ctl.round(forward_follows=plan.batch_to_run is not None, waiting=len(self.waiting_queue), busy=busy)
         sync_capacity(self)
         if ctl.freed:  # evictions done in this hook: the next round may admit again
             ctl.freed = False

@@ -1,12 +1,11 @@
-"""``TPAgreement``: every TP rank planned the same migration orders, checked each round.
+"""``TPAgreement``: every TP rank planned the same migration orders, checked at run time.
 
 Each TP rank's scheduler runs its own adjuster; the ranks plan the same orders
 only because planning is deterministic and SGLang feeds every rank the same
-batches.  ``TPAgreement`` checks that at run time.  The controller tells it
-what it planned (``planned``: every ``plan_round`` call, an order or none) and
-calls ``check`` once per scheduling round, after the round's order is planned
-and before any forward pass can run it.  ``check`` compares, across the TP
-group, one row per rank::
+batches.  ``TPAgreement`` checks that.  The controller tells it what it planned
+(``planned``: every ``plan_round`` call, an order or none) and calls ``check``
+at the end of a round, after the round's order is planned and before a forward
+pass can run it.  ``check`` compares, across the TP group, one row per rank::
 
     (round, seq, digest)   round: the last round this rank planned
                            seq:   the last order it issued (0 before the first)
@@ -14,14 +13,23 @@ group, one row per rank::
                                    since the previous check; 0 when none
 
 with one all-gather of three int64 per rank (``gather``, given by the
-integrator over SGLang's TP CPU group).  The check runs every round, orders or
-not, so the collective is called the same number of times on every rank (the
-scheduler loop is lockstepped by SGLang's own per-round broadcast of requests):
-a rank that planned an order where another planned none is a mismatch of
-digests, not a hang.  On a mismatch every rank logs one line (``ERROR``) naming
-the round, each rank's round, seq and digest and which ranks disagree, then
-raises ``RanksDisagree``: the scheduler stops instead of serving with a split
-the other ranks do not have.
+integrator over SGLang's TP CPU group).  Every rank must call the collective
+equally often, whatever it planned, or the group hangs; so whether a round is
+checked never depends on planning.  The controller checks every round that
+holds a request (waiting, running or in the round's batch) and skips the idle
+ones (SGLang's scheduler loop spins when nothing is there; those rounds' orders,
+restores in a quiet period, are in the next check's digest).  Holding a request
+is the same on every rank: requests arrive through SGLang's per-round broadcast
+and leave by finishing (a forward pass, which a check precedes) or by an abort
+SGLang broadcasts (its opt-in waiting/running timeouts abort per rank, which
+would desync SGLang's own batches too); a split that diverged can move a request between waiting and
+running, not out of the scheduler.  So a rank that planned an order where
+another planned none is a mismatch of digests, not a hang, and it is found no
+later than the first round after it that holds a request, before that round's
+forward pass.  On a mismatch every rank logs one line (``ERROR``) naming the
+round, each rank's round, seq and digest and which ranks disagree, then raises
+``RanksDisagree``: the scheduler stops instead of serving with a split the
+other ranks do not have.
 
 Standard library only.
 """

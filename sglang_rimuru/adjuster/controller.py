@@ -11,8 +11,9 @@ scheduler loop where the integrator (``patches/rimuru_patches/elastic``) calls i
                         because SGLang does not retry a refused prefill every
                         round
     round(...)          after the round's batch is chosen: plan one order, send
-                        it; at TP > 1 compare the round's orders across the
-                        ranks (``agreement``, ``agreement.py``)
+                        it; at TP > 1 compare the orders across the ranks
+                        (``agreement``, ``agreement.py``) in rounds that hold
+                        a request
     before_forward()    start of the forward pass: the worker takes the order
     after_forward()     end of the pass: acks come back, orders complete
     urgent(n)           a decode step needs n KV pages in all and they are not
@@ -94,19 +95,23 @@ class ElasticController:
     def demand(self) -> int:
         return self._demand
 
-    def round(self, *, forward_follows: bool, waiting: int = 0) -> MigrationOrder | None:
+    def round(self, *, forward_follows: bool, waiting: int = 0, busy: bool = True) -> MigrationOrder | None:
         """End of a round's scheduling: plan this round's order and send it to the worker.
 
         ``forward_follows``: a forward pass runs in this round (it applies the
         order); otherwise the order is applied now.  ``waiting``: requests in
-        SGLang's waiting queue (for the log).
+        SGLang's waiting queue (for the log).  ``busy``: the scheduler holds a
+        request (waiting, running or in this round's batch); at TP > 1 the
+        ranks' orders are compared in busy rounds only (``agreement.py`` says
+        why that is every rank's same choice), idle rounds' orders with the
+        next busy round's.
         """
         self._waiting = waiting
         self.settle()  # an order whose pass never ran: no pass is running now
         order = self._plan(self._demand)
-        if self.agreement is not None:
-            # every rank, every round (urgent orders of this round included), before
-            # any pass runs the order: RanksDisagree stops the scheduler
+        if self.agreement is not None and busy:
+            # before any pass runs this round's order (or an urgent one of this
+            # round): RanksDisagree stops the scheduler
             self.agreement.check()
         if order is not None and not forward_follows:
             self.settle()

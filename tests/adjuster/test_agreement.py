@@ -25,6 +25,22 @@ ORDER = MigrationOrder(version=1, seq=1, round=3, evict=(ExpertMove(0, 2, (15, 1
 OTHER = MigrationOrder(version=1, seq=1, round=3, evict=(ExpertMove(1, 2, (33, 34, 35)),), restore=(), reason="x")
 
 
+@pytest.fixture
+def elastic_ctl():
+    from sglang_rimuru.adjuster import Adjuster, AdjusterPolicy
+    from sglang_rimuru.adjuster.applier import OrderApplier
+    from sglang_rimuru.adjuster.controller import ElasticController
+    from sglang_rimuru.adjuster.link import OrderLink
+
+    from .rig import make_rig, make_worker
+
+    rig = make_rig(pages=84)
+    link = OrderLink()
+    yield ElasticController(Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking), link,
+                            OrderApplier(make_worker(rig).manager, link), check_invariants=True)
+    link.close()
+
+
 def scripted(other_rows: list[tuple[int, int, int]]):
     """A gather for rank 0 of two: its own row, then the next scripted row of rank 1."""
     sent = []
@@ -90,6 +106,23 @@ def test_a_different_number_of_planned_rounds_is_a_mismatch_too() -> None:
         a.check()
 
 
+def test_idle_rounds_are_not_compared_and_their_orders_join_the_next_check(elastic_ctl) -> None:
+    # the controller over the rig; rank 0 of two, rank 1 scripted to agree
+    rows = []
+    ctl = elastic_ctl
+    ctl.agreement = TPAgreement(lambda row: rows.append(row) or [row, row], rank=0)
+    ctl.round(forward_follows=False, busy=False)  # round 0: idle, F_b 6: hold
+    ctl.note_demand(26)
+    idle_order = ctl.round(forward_follows=False, busy=False)  # round 1: an order in an idle round
+    assert idle_order.seq == 1 and rows == []
+    ctl.clear_demand()
+    assert ctl.round(forward_follows=True) is not None  # round 2 (busy): F_b 15, restores
+    digest = TPAgreement(None, 0)
+    digest.planned(1, idle_order, encode(idle_order))
+    assert rows[0][:2] == (2, 2) and rows[0][2] not in (0, digest.row()[2])  # both orders in one digest
+    assert ctl.agreement.checks == 1
+
+
 def test_a_negative_digest_prints_as_its_unsigned_64_bit_value() -> None:
     assert "digest 0xffffffffffffffff" in describe([(0, 1, -1), (0, 1, 0)], 0)
 
@@ -128,9 +161,11 @@ def _run_rank(rank: int, store: str) -> list:
     log = []
     try:
         log.append(ctl.round(forward_follows=False) is None)  # round 0: F_b 6, hold on both
-        ctl.note_demand(26)  # round 1: the same shortfall on both ranks: the same order
+        for _ in range(3):  # idle rounds (no request held): not compared, nothing gathered
+            ctl.round(forward_follows=False, busy=False)
+        ctl.note_demand(26)  # round 4: the same shortfall on both ranks: the same order
         log.append(ctl.round(forward_follows=False).seq)
-        # round 2: the request still waits (26 KV pages now fit: hold); rank 1 computes
+        # round 5: the request still waits (26 KV pages now fit: hold); rank 1 computes
         # a demand rank 0 does not have and plans an order where rank 0 plans none
         ctl.note_demand(60 if rank == 1 else 26)
         ctl.round(forward_follows=False)
@@ -168,8 +203,8 @@ def test_two_gloo_ranks_stop_with_the_same_line_when_one_plans_a_different_order
         ok0, seq1, error, in_flight = results[rank]
         assert (ok0, seq1) == (True, 1)
         m = re.fullmatch(
-            r"RanksDisagree: sglang-rimuru: TP ranks planned different migration orders in round 2 "
-            r"\(rank 0: round 2 seq 1 digest 0x0{16}; rank 1: round 2 seq 2 digest 0x([0-9a-f]{16}); "
+            r"RanksDisagree: sglang-rimuru: TP ranks planned different migration orders in round 5 "
+            r"\(rank 0: round 5 seq 1 digest 0x0{16}; rank 1: round 5 seq 2 digest 0x([0-9a-f]{16}); "
             r"ranks \[0\] vs ranks \[1\] disagree\); TP rank (\d) stops .*", error)
         assert m and m.group(1) != "0" * 16 and m.group(2) == str(rank), error
         # rank 1's divergent order was planned but never applied (the check comes first)

@@ -8,7 +8,8 @@ free pages exceed the high water and the experts come back. Every request
 must finish with the same greedy ids as a plain (mode off) server; the pool
 invariants are checked after every completed order inside the server
 (``SGLANG_RIMURU_CHECK_INVARIANTS=1``: a violation kills the scheduler, so
-requests would fail).
+requests would fail).  At TP=2 both ranks hold the same experts after every
+round, and ranks made to plan different orders stop the server with one line.
 """
 
 from __future__ import annotations
