@@ -68,8 +68,6 @@ class TPAgreement:
         self._round = -1
         self._seq = 0
         self._hash = None
-        #: rounds compared so far
-        self.checks = 0
 
     def planned(self, round_no: int, order: MigrationOrder | None, encoded: bytes | None) -> None:
         """The adjuster planned round ``round_no``: ``order`` (``encoded``) or nothing."""
@@ -94,7 +92,6 @@ class TPAgreement:
         mine = self.row()
         self._hash = None
         rows = [tuple(int(v) for v in r) for r in self._gather(mine)]
-        self.checks += 1
         if all(r == mine for r in rows):
             return
         message = describe(rows, self.rank)

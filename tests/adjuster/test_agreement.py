@@ -74,7 +74,7 @@ def test_equal_rows_pass_and_the_digest_covers_only_orders_since_the_last_check(
     with pytest.raises(RanksDisagree):  # rank 1 (scripted) saw no order in round 3
         a.check()
     assert a.row() == (3, 1, 0)
-    assert sent == [(0, 0, 0), (1, 0, 0), (3, 1, digest)] and a.checks == 3
+    assert sent == [(0, 0, 0), (1, 0, 0), (3, 1, digest)]
 
 
 def test_an_order_on_one_rank_only_is_one_error_line_naming_round_seq_and_ranks(caplog) -> None:
@@ -111,16 +111,17 @@ def test_idle_rounds_are_not_compared_and_their_orders_join_the_next_check(elast
     rows = []
     ctl = elastic_ctl
     ctl.agreement = TPAgreement(lambda row: rows.append(row) or [row, row], rank=0)
-    ctl.round(forward_follows=False, busy=False)  # round 0: idle, F_b 6: hold
     ctl.note_demand(26)
-    idle_order = ctl.round(forward_follows=False, busy=False)  # round 1: an order in an idle round
-    assert idle_order.seq == 1 and rows == []
+    evict = ctl.round(forward_follows=False)  # round 0, busy: a request waits; compared
     ctl.clear_demand()
-    assert ctl.round(forward_follows=True) is not None  # round 2 (busy): F_b 15, restores
-    digest = TPAgreement(None, 0)
-    digest.planned(1, idle_order, encode(idle_order))
-    assert rows[0][:2] == (2, 2) and rows[0][2] not in (0, digest.row()[2])  # both orders in one digest
-    assert ctl.agreement.checks == 1
+    restore = ctl.round(forward_follows=False, busy=False)  # round 1, quiet: F_b 15, restores; not compared
+    assert evict.evict and restore.restore and restore.seq == 2 and len(rows) == 1
+    assert ctl.round(forward_follows=True) is None  # round 2, busy: F_b 9, hold; compared
+    first, both = TPAgreement(None, 0), TPAgreement(None, 0)
+    first.planned(0, evict, encode(evict))
+    both.planned(1, restore, encode(restore))
+    both.planned(2, None, None)
+    assert rows == [first.row(), both.row()] and both.row()[:2] == (2, 2) and both.row()[2] != 0
 
 
 def test_a_negative_digest_prints_as_its_unsigned_64_bit_value() -> None:
