@@ -35,7 +35,10 @@ def test_resolve_returns_owner_and_original():
 
 def test_context_round_trips_through_the_environment(monkeypatch):
     ctx = ProcessContext(device="cpu", tp_size=2, rimuru={"mode": "off"})
-    monkeypatch.delenv("SGLANG_RIMURU_CONTEXT", raising=False)
+    # setenv first: delenv of an unset variable records nothing, and publish() would
+    # leak this context into every server a later test of the session starts
+    monkeypatch.setenv("SGLANG_RIMURU_CONTEXT", "")
+    monkeypatch.delenv("SGLANG_RIMURU_CONTEXT")
     assert ProcessContext.from_env() is None
     ctx.publish()
     assert ProcessContext.from_env() == ctx
