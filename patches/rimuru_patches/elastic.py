@@ -7,12 +7,18 @@ SGLang 0.5.17's scheduler loop (ledger in ``patches/README.md``):
 * ``Scheduler.get_next_batch_to_run`` (after it returns): the round hook. The
   adjuster plans this round's order from the shortfall the round recorded;
   the order goes to the worker over the ZMQ link; the invariant checker's
-  copy of the KV capacity follows the split.
-* ``PrefillAdder.add_one_req`` returning ``NO_TOKEN``: the KV the refused
-  request lacks (what its own budget check compared) becomes the adjuster's
-  demand until the request gets in; once an eviction completes, SGLang's
-  ``batch_is_full`` is cleared so the next round tries the prefill again
-  (``controller.py`` says in which round it is admitted).
+  copy of the KV capacity follows the split.  At TP > 1 the ranks' orders
+  are compared over SGLang's TP CPU group (``tp_agreement``,
+  ``sglang_rimuru/adjuster/agreement.py``) in every round that holds a
+  request: a mismatch stops the scheduler with one log line naming the round,
+  the ranks and their digests.
+* ``PrefillAdder.add_one_req`` returning ``NO_TOKEN``: the KV the head of the
+  waiting queue lacks (the requests SGLang would admit this round if memory
+  allowed, found by SGLang's own ``add_one_req`` on probes with more free KV:
+  ``prefill_head.py``) becomes the adjuster's demand until a request gets in;
+  once an eviction completes, SGLang's ``batch_is_full`` is cleared so the next
+  round tries the prefill again (``controller.py`` says in which round it is
+  admitted).
 * ``ScheduleBatch.check_decode_mem`` failing: before SGLang retracts running
   requests, evict experts now (no forward pass is running) while the offload
   limit allows; retract only what eviction cannot cover.
@@ -88,20 +94,58 @@ def _free_cache_for_restores(scheduler, ctl) -> None:
         sync_capacity(scheduler)
 
 
+def tp_agreement(tp_group):
+    """The ranks' orders compared across SGLang's TP group (its CPU side, gloo):
+    one all-gather of 3 int64 per rank per busy round; None at TP = 1.
+
+    ``tp_group``: the scheduler's ``GroupCoordinator`` (``world_size``,
+    ``rank_in_group``, ``cpu_group``), the group SGLang broadcasts requests over.
+    """
+    if tp_group.world_size == 1:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    from sglang_rimuru.adjuster.agreement import TPAgreement
+
+    size, cpu_group = tp_group.world_size, tp_group.cpu_group
+
+    def gather(row):
+        out = torch.empty(size * len(row), dtype=torch.int64)
+        dist.all_gather_into_tensor(out, torch.tensor(row, dtype=torch.int64), group=cpu_group)
+        return out.view(size, len(row)).tolist()
+
+    return TPAgreement(gather, tp_group.rank_in_group)
+
+
+#: this process's scheduler (one per process), set by the round hook: the
+#: prefill-demand seam reads its waiting queue and request limit
+_scheduler = None
+
+
+def _attach(scheduler, ctl) -> None:
+    """First round: tie the controller to this scheduler."""
+    global _scheduler
+    _scheduler = scheduler
+    ctl.on_change = lambda done: _after_change(scheduler)
+    ctl.agreement = tp_agreement(scheduler.tp_group)
+    _Metrics.maybe_start(scheduler, ctl)
+
+
 def _round(orig, ctx):
     def get_next_batch_to_run(self, *args, **kwargs):
-        plan = orig(self, *args, **kwargs)
         ctl = _controller()
         if ctl is None:
-            return plan
+            return orig(self, *args, **kwargs)
         if ctl.on_change is None:
-            ctl.on_change = lambda done: _after_change(self)
-            _Metrics.maybe_start(self, ctl)
+            _attach(self, ctl)
+        plan = orig(self, *args, **kwargs)
         if not self.waiting_queue:
             ctl.clear_demand()
             if plan.batch_to_run is None and plan.running_batch.is_empty():
                 _free_cache_for_restores(self, ctl)
-        ctl.round(forward_follows=plan.batch_to_run is not None, waiting=len(self.waiting_queue))
+        busy = plan.batch_to_run is not None or bool(self.waiting_queue) or not plan.running_batch.is_empty()
+        ctl.round(forward_follows=plan.batch_to_run is not None, waiting=len(self.waiting_queue), busy=busy)
         sync_capacity(self)
         if ctl.freed:  # evictions done in this hook: the next round may admit again
             ctl.freed = False
@@ -113,7 +157,9 @@ def _round(orig, ctx):
 
 
 def _prefill_shortfall(orig, ctx):
-    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, AddReqResult
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    from rimuru_patches.prefill_head import head_demand
 
     def add_one_req(self, req, *args, **kwargs):
         result = orig(self, req, *args, **kwargs)
@@ -121,12 +167,19 @@ def _prefill_shortfall(orig, ctx):
         if ctl is None:
             return result
         if result is AddReqResult.NO_TOKEN:
-            # What PrefillAdder's own check wanted for this request, beyond its budget
-            # (free + evictable radix tokens - what running requests will still need).
-            max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
-            want = len(req.full_untruncated_fill_ids) - len(req.prefix_indices) + max_new + self.page_size
-            short = max(1, want - int(self.rem_total_tokens) + 1)
-            ctl.note_demand(self.token_to_kv_pool_allocator.available_size() + short)
+            # SGLang's loop stops here: what the queue's head lacks, found by SGLang's own
+            # add_one_req on probes with more free KV (prefill_head.py)
+            sched = _scheduler
+            queue = sched.waiting_queue if sched is not None else [req]
+            limit = (sched.get_num_allocatable_reqs(len(self.running_batch.reqs))
+                     if sched is not None and self.running_batch is not None else None)
+            head = head_demand(orig, self, req, queue, limit, args, kwargs)
+            if head is None:
+                ctl.clear_demand()  # more KV would admit nothing more this round
+            else:
+                ctl.note_demand(self.token_to_kv_pool_allocator.available_size() + head.extra_tokens)
+                logger.debug("sglang-rimuru: prefill refused for KV: the head of %d requests lacks %d tokens "
+                             "(%d probes)", head.requests, head.extra_tokens, head.probes)
         elif result is AddReqResult.CONTINUE:
             ctl.clear_demand()
         return result

@@ -4,12 +4,16 @@ It ties the ``Adjuster`` (what to move), the ``OrderLink`` (ZMQ) and the
 worker's ``OrderApplier`` (safe application) to the points of SGLang's
 scheduler loop where the integrator (``patches/rimuru_patches/elastic``) calls it:
 
-    note_demand(n)      the scheduler refused a prefill: it needs n KV pages in
-                        all (what is free now + what it lacked); the demand stands
-                        until the request is admitted or the queue empties
-                        (``clear_demand``), because SGLang does not retry a
-                        refused prefill every round
-    round(...)          after the round's batch is chosen: plan one order, send it
+    note_demand(n)      the scheduler refused a prefill: the head of its waiting
+                        queue needs n KV pages in all (what is free now + what
+                        it lacked); the demand stands until a request is
+                        admitted or the queue empties (``clear_demand``),
+                        because SGLang does not retry a refused prefill every
+                        round
+    round(...)          after the round's batch is chosen: plan one order, send
+                        it; at TP > 1 compare the orders across the ranks
+                        (``agreement``, ``agreement.py``) in rounds that hold
+                        a request
     before_forward()    start of the forward pass: the worker takes the order
     after_forward()     end of the pass: acks come back, orders complete
     urgent(n)           a decode step needs n KV pages in all and they are not
@@ -44,6 +48,7 @@ import logging
 import time
 from collections import Counter
 
+from .agreement import TPAgreement
 from .applier import OrderApplier
 from .link import OrderLink
 from .orders import MigrationOrder, encode
@@ -63,6 +68,8 @@ class ElasticController:
         self.check_invariants = check_invariants
         #: called after the split changed (the integrator re-syncs SGLang's capacity copies)
         self.on_change = None
+        #: TP > 1: each round's orders compared across the ranks (set by the integrator)
+        self.agreement: TPAgreement | None = None
         self._round = 0
         self._demand = 0
         #: pages were freed by evictions since the integrator last looked (it lets
@@ -77,23 +84,27 @@ class ElasticController:
     # ---------------------------------------------------------------- scheduler side
 
     def note_demand(self, kv_pages: int) -> None:
-        """The scheduler could not admit a request that needs ``kv_pages`` KV pages in all."""
+        """The scheduler could not admit the head of its waiting queue, which needs ``kv_pages`` KV pages in all."""
         self._demand = int(kv_pages)
 
     def clear_demand(self) -> None:
-        """The refused request got in, or nothing waits any more."""
+        """A waiting request got in, or nothing waits any more (or more KV would admit nothing)."""
         self._demand = 0
 
     @property
     def demand(self) -> int:
         return self._demand
 
-    def round(self, *, forward_follows: bool, waiting: int = 0) -> MigrationOrder | None:
+    def round(self, *, forward_follows: bool, waiting: int = 0, busy: bool = True) -> MigrationOrder | None:
         """End of a round's scheduling: plan this round's order and send it to the worker.
 
         ``forward_follows``: a forward pass runs in this round (it applies the
         order); otherwise the order is applied now.  ``waiting``: requests in
-        SGLang's waiting queue (for the log).
+        SGLang's waiting queue (for the log).  ``busy``: the scheduler holds a
+        request (waiting, running or in this round's batch); at TP > 1 the
+        ranks' orders are compared in busy rounds only (``agreement.py`` says
+        why that is every rank's same choice), idle rounds' orders with the
+        next busy round's.
         """
         self._waiting = waiting
         # Orders a pass never took are applied now; finished restore copies are acknowledged.
@@ -102,6 +113,10 @@ class ElasticController:
         self.applier.finish(block=False)
         self._collect()
         order = self._plan(self._demand)
+        if self.agreement is not None and busy:
+            # before any pass runs this round's order (or an urgent one of this
+            # round): RanksDisagree stops the scheduler
+            self.agreement.check()
         if order is not None and not forward_follows:
             self.settle()
         return order
@@ -176,10 +191,14 @@ class ElasticController:
     # ---------------------------------------------------------------- internals
 
     def _plan(self, short: int) -> MigrationOrder | None:
-        order = self.adjuster.plan_round(self._round, short)
+        round_no = self._round
+        order = self.adjuster.plan_round(round_no, short)
         self._round += 1
-        if order is not None:
-            self.link.send_order(encode(order))
+        encoded = None if order is None else encode(order)
+        if self.agreement is not None:
+            self.agreement.planned(round_no, order, encoded)
+        if encoded is not None:
+            self.link.send_order(encoded)
         return order
 
     def _collect(self) -> list[MigrationOrder]:

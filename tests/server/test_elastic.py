@@ -8,13 +8,17 @@ free pages exceed the high water and the experts come back. Every request
 must finish with the same greedy ids as a plain (mode off) server; the pool
 invariants are checked after every completed order inside the server
 (``SGLANG_RIMURU_CHECK_INVARIANTS=1``: a violation kills the scheduler, so
-requests would fail).
+requests would fail).  At TP=2 both ranks hold the same experts after every
+round, and ranks made to plan different orders stop the server with one line.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
+import re
+import textwrap
 import time
 
 import pytest
@@ -110,3 +114,58 @@ def test_elastic_tp2_ranks_hold_the_same_experts_after_every_round(tmp_path, mod
     assert min(line["resident"] for line in rank0) == 8
     strip = lambda lines: [(x["seq"], x["evicted"], x["restored"], x["resident_sets"]) for x in lines]  # noqa: E731
     assert strip(rank1)[: len(rank0)] == strip(rank0)
+
+
+#: test only, put first on the server's PYTHONPATH: TP rank 1's adjuster sees twice the KV
+#: demand rank 0 sees, as a rank whose demand computation drifted would; the production
+#: check (``TPAgreement`` in the round hook) must stop the server with one line
+DESYNC_RANK1 = textwrap.dedent(
+    """
+    import sys
+    from sglang_rimuru.adjuster import adjuster as _adjuster
+
+    _plan = _adjuster.Adjuster.plan_round
+
+    def plan_round(self, round_no, kv_pages_needed):
+        import torch.distributed as dist
+        if kv_pages_needed and dist.is_initialized() and dist.get_rank() == 1:
+            print(f"[test shim] TP rank 1 round {round_no}: demand {kv_pages_needed} -> "
+                  f"{2 * kv_pages_needed}", file=sys.stderr, flush=True)
+            kv_pages_needed *= 2
+        return _plan(self, round_no, kv_pages_needed)
+
+    _adjuster.Adjuster.plan_round = plan_round
+    """
+)
+
+
+def test_elastic_tp2_ranks_that_plan_different_orders_stop_the_server_with_one_line(tmp_path, model_dir):
+    path = str(ensure_model("tiny-qwen3-moe", cache_dir=model_dir))
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(DESYNC_RANK1)
+    env = {**CHECKED, "PYTHONPATH": os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")])}
+    srv = start_server([*ELASTIC, "--model-path", path, "--tp-size", "2"], tmp_path / "desync_tp2.log", env=env)
+    try:
+        with cf.ThreadPoolExecutor(len(BURST)) as ex:
+            for p in BURST:  # they fail when the server stops
+                ex.submit(generate, srv, p, max_new_tokens=24)
+            exit_code = srv.proc.wait(timeout=180)  # stops by itself: no hang
+    finally:
+        srv.stop()
+
+    log = srv.log()
+    assert "[test shim] TP rank 1 round" in log  # the fault was injected
+    said = [ln for ln in log.splitlines() if "TP ranks planned different migration orders" in ln]
+    assert said, log[-3000:]
+    line = said[0]
+    m = re.search(r"in round (\d+) \(rank 0: round \1 seq (\d+) digest (0x[0-9a-f]{16}); "
+                  r"rank 1: round \1 seq (\d+) digest (0x[0-9a-f]{16}); ranks \[0\] vs ranks \[1\] disagree\); "
+                  r"TP rank [01] stops", line)
+    assert m and m.group(3) != m.group(5), line
+    # the first order that differs: both ranks issued it as the same seq, or only rank 1 did
+    assert int(m.group(4)) in (int(m.group(2)), int(m.group(2)) + 1), line
+    # every line (each rank's, and SGLang's traceback of each) names the same round, seqs and digests
+    assert len({re.search(r"in round .*? disagree\)", ln).group(0) for ln in said}) == 1, said
+    assert "RanksDisagree" in log  # SGLang's own report of the scheduler's exception
+    assert exit_code != 0
