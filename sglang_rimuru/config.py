@@ -45,6 +45,9 @@ class RimuruConfig:
     adjuster_max_restores: int = 5
     #: elastic mode: append one JSON line per round in which the split changed
     adjuster_trace: str | None = None
+    #: elastic mode: "paper" = the fixed thresholds alone; "cost" = an eviction must
+    #: also pay for its PCIe time (sglang_rimuru/adjuster/cost.py)
+    adjuster_policy_name: str = "paper"
     #: batches of at most this many tokens read offloaded experts in place from
     #: pinned host memory (zero-copy, no host sync); larger ones copy them into the
     #: load buffers first. CUDA graphs always read in place.
@@ -84,11 +87,13 @@ class RimuruConfig:
             "--rimuru-adjuster-restore-high-water": self.adjuster_restore_high_water,
             "--rimuru-adjuster-max-restores": self.adjuster_max_restores,
             "--rimuru-adjuster-trace": self.adjuster_trace,
+            "--rimuru-adjuster-policy": self.adjuster_policy_name,
         }
 
     @staticmethod
     def _default(flag: str) -> object:
         field = flag.removeprefix("--rimuru-").replace("-", "_")
+        field = {"adjuster_policy": "adjuster_policy_name"}.get(field, field)  # (adjuster_policy() is the method)
         return RimuruConfig.__dataclass_fields__[field].default
 
     def adjuster_policy(self):
@@ -207,6 +212,14 @@ class RimuruConfig:
             help="elastic: most experts restored in one scheduling round (0: never restore).",
         )
         group.add_argument(
+            "--rimuru-adjuster-policy",
+            choices=("paper", "cost"),
+            default=RimuruConfig.adjuster_policy_name,
+            help="elastic: 'paper': evict and restore by the free-page thresholds alone; 'cost': an "
+            "eviction must also pay for itself: the offloaded experts' expected PCIe time per decode "
+            "step (from their routing frequency and the batch size) against the requests it admits.",
+        )
+        group.add_argument(
             "--rimuru-adjuster-trace",
             default=None,
             metavar="PATH",
@@ -227,6 +240,7 @@ class RimuruConfig:
             adjuster_restore_high_water=args.rimuru_adjuster_restore_high_water,
             adjuster_max_restores=args.rimuru_adjuster_max_restores,
             adjuster_trace=args.rimuru_adjuster_trace,
+            adjuster_policy_name=args.rimuru_adjuster_policy,
             zero_copy_max_tokens=args.rimuru_zero_copy_max_tokens,
             moe_kernel=args.rimuru_moe_kernel,
         )

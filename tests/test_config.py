@@ -39,3 +39,14 @@ def test_unknown_moe_kernel():
         parse("--rimuru-mode", "static", "--rimuru-moe-kernel", "turbo")
     with pytest.raises(ValueError, match=r"--rimuru-moe-kernel: unknown kernel 'turbo'; choose from exact, fast"):
         RimuruConfig(mode="static", moe_kernel="turbo")
+
+
+def test_adjuster_policy_flag():
+    assert RimuruConfig().adjuster_policy_name == "paper"
+    config = parse("--rimuru-mode", "elastic", "--rimuru-adjuster-policy", "cost")
+    assert config.adjuster_policy_name == "cost"
+    assert RimuruConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match=r"^--rimuru-adjuster-policy need --rimuru-mode elastic$"):
+        parse("--rimuru-mode", "static", "--rimuru-adjuster-policy", "cost")
+    with pytest.raises(SystemExit):
+        parse("--rimuru-mode", "elastic", "--rimuru-adjuster-policy", "greedy")

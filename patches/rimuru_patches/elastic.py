@@ -145,7 +145,11 @@ def _round(orig, ctx):
             if plan.batch_to_run is None and plan.running_batch.is_empty():
                 _free_cache_for_restores(self, ctl)
         busy = plan.batch_to_run is not None or bool(self.waiting_queue) or not plan.running_batch.is_empty()
-        ctl.round(forward_follows=plan.batch_to_run is not None, waiting=len(self.waiting_queue), busy=busy)
+        running = len(plan.running_batch.reqs) if plan.running_batch is not None else 0
+        if ctl.adjuster.cost is not None:
+            _StepTiming.round(self, ctl, plan.batch_to_run)
+        ctl.round(forward_follows=plan.batch_to_run is not None, waiting=len(self.waiting_queue), busy=busy,
+                  running=running)
         sync_capacity(self)
         if ctl.freed:  # evictions done in this hook: the next round may admit again
             ctl.freed = False
@@ -177,7 +181,8 @@ def _prefill_shortfall(orig, ctx):
             if head is None:
                 ctl.clear_demand()  # more KV would admit nothing more this round
             else:
-                ctl.note_demand(self.token_to_kv_pool_allocator.available_size() + head.extra_tokens)
+                ctl.note_demand(self.token_to_kv_pool_allocator.available_size() + head.extra_tokens,
+                                requests=head.requests)
                 logger.debug("sglang-rimuru: prefill refused for KV: the head of %d requests lacks %d tokens "
                              "(%d probes)", head.requests, head.extra_tokens, head.probes)
         elif result is AddReqResult.CONTINUE:
@@ -193,12 +198,56 @@ def _decode_shortfall(orig, ctx):
         ctl = _controller()
         while not ok and ctl is not None:
             need = self.new_tokens_required_next_decode(selected_indices)
-            if not ctl.urgent(need, waiting=0):
+            if not ctl.urgent(need, waiting=0, running=len(self.reqs)):
                 break  # the offload limit is reached: SGLang retracts as usual
             ok = orig(self, selected_indices)
         return ok
 
     return check_decode_mem
+
+
+class _StepTiming:
+    """Decode step times for the cost-aware adjuster (``--rimuru-adjuster-policy cost``).
+
+    The time between two consecutive decode rounds is one decode step of the
+    first round's batch (under the overlap scheduler, whichever of the GPU pass
+    and the CPU's scheduling is longer: what bounds throughput). Every
+    ``REFIT_ROUNDS`` rounds the fitted line replaces the cost model's; at TP > 1
+    rank 0's fit is broadcast over SGLang's TP CPU group so that every rank
+    plans with the same numbers (the orders must agree).
+    """
+
+    REFIT_ROUNDS = 256
+    clock = None
+    last: tuple[float, int] | None = None  # (time, batch size) of the last decode round
+    rounds = 0
+
+    @classmethod
+    def round(cls, scheduler, ctl, batch) -> None:
+        import dataclasses
+
+        from sglang_rimuru.adjuster.cost import StepClock
+
+        cost = ctl.adjuster.cost
+        if cls.clock is None:
+            cls.clock = StepClock(prior=(cost.base_ms, cost.per_request_ms))
+        now = time.monotonic()
+        decode = batch is not None and batch.forward_mode.is_decode()
+        if decode and cls.last is not None:
+            cls.clock.record(cls.last[1], 1e3 * (now - cls.last[0]))
+        cls.last = (now, len(batch.reqs)) if decode else None
+        cls.rounds += 1
+        if cls.rounds % cls.REFIT_ROUNDS:
+            return
+        fit = cls.clock.fit()
+        group = scheduler.tp_group
+        if group.world_size > 1:
+            import torch.distributed as dist
+
+            box = [fit]
+            dist.broadcast_object_list(box, src=group.ranks[0], group=group.cpu_group)
+            fit = box[0]
+        ctl.adjuster.cost = dataclasses.replace(cost, base_ms=fit[0], per_request_ms=fit[1])
 
 
 class _Metrics:

@@ -72,6 +72,9 @@ class ElasticController:
         self.agreement: TPAgreement | None = None
         self._round = 0
         self._demand = 0
+        self._demand_requests = 0
+        #: decode requests running (what an eviction's PCIe time slows down)
+        self._running = 0
         #: pages were freed by evictions since the integrator last looked (it lets
         #: SGLang retry prefills it gave up on)
         self.freed = False
@@ -83,19 +86,23 @@ class ElasticController:
 
     # ---------------------------------------------------------------- scheduler side
 
-    def note_demand(self, kv_pages: int) -> None:
-        """The scheduler could not admit the head of its waiting queue, which needs ``kv_pages`` KV pages in all."""
+    def note_demand(self, kv_pages: int, requests: int = 1) -> None:
+        """The scheduler could not admit the head of its waiting queue (``requests``
+        requests), which needs ``kv_pages`` KV pages in all."""
         self._demand = int(kv_pages)
+        self._demand_requests = max(1, int(requests))
 
     def clear_demand(self) -> None:
         """A waiting request got in, or nothing waits any more (or more KV would admit nothing)."""
         self._demand = 0
+        self._demand_requests = 0
 
     @property
     def demand(self) -> int:
         return self._demand
 
-    def round(self, *, forward_follows: bool, waiting: int = 0, busy: bool = True) -> MigrationOrder | None:
+    def round(self, *, forward_follows: bool, waiting: int = 0, busy: bool = True,
+              running: int = 0) -> MigrationOrder | None:
         """End of a round's scheduling: plan this round's order and send it to the worker.
 
         ``forward_follows``: a forward pass runs in this round (it applies the
@@ -107,6 +114,7 @@ class ElasticController:
         next busy round's.
         """
         self._waiting = waiting
+        self._running = running
         # Orders a pass never took are applied now; finished restore copies are acknowledged.
         # Copies still running are not waited for (they overlap the next passes).
         self.applier.take_orders()
@@ -121,15 +129,18 @@ class ElasticController:
             self.settle()
         return order
 
-    def urgent(self, kv_pages: int, waiting: int = 0) -> bool:
-        """A decode step needs ``kv_pages`` KV pages in all, more than are free: evict
-        now (no pass is running).
+    def urgent(self, kv_pages: int, waiting: int = 0, running: int | None = None) -> bool:
+        """A decode step of ``running`` requests needs ``kv_pages`` KV pages in all,
+        more than are free: evict now (see ``applier.py`` for why that is safe
+        with a pass still running on the GPU).
 
         Returns True when pages were freed (the caller re-checks its memory).
         """
         self._waiting = waiting
+        if running is not None:
+            self._running = running
         self.settle()
-        order = self._plan(int(kv_pages))
+        order = self._plan(int(kv_pages), urgent=True)
         if order is None:
             return False
         self._n["urgent_orders"] += 1
@@ -190,9 +201,15 @@ class ElasticController:
 
     # ---------------------------------------------------------------- internals
 
-    def _plan(self, short: int) -> MigrationOrder | None:
+    def _plan(self, short: int, urgent: bool = False) -> MigrationOrder | None:
         round_no = self._round
-        order = self.adjuster.plan_round(round_no, short)
+        load = None
+        if self.adjuster.cost is not None:
+            from .adjuster import Load
+
+            load = Load(running=self._running, admits=1 if urgent else max(1, self._demand_requests),
+                        urgent=urgent)
+        order = self.adjuster.plan_round(round_no, short, load)
         self._round += 1
         encoded = None if order is None else encode(order)
         if self.agreement is not None:

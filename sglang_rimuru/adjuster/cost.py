@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-__all__ = ["CostModel", "touched"]
+__all__ = ["CostModel", "StepClock", "touched"]
 
 
 def touched(p: float, batch: int) -> float:
@@ -107,3 +107,47 @@ class CostModel:
         keep = self.throughput(batch, [*offloaded, *victims])
         retract = self.throughput(batch - 1, offloaded)
         return keep > (1.0 + self.margin) * retract
+
+
+class StepClock:
+    """Decode step times by batch size, fitted as ``base_ms + per_request_ms * B``.
+
+    The integrator records the time between two consecutive decode rounds and the
+    batch size; ``fit`` is a least-squares line over the last ``window`` records
+    (clamped to non-negative terms), or ``prior`` while fewer than ``min_samples``
+    records span at least two batch sizes (then the prior's slope with the mean's
+    intercept, once there is any record). Deterministic given the same records.
+    """
+
+    def __init__(self, prior: tuple[float, float], window: int = 512, min_samples: int = 32) -> None:
+        if window < 2 or min_samples < 2:
+            raise ValueError("StepClock: window and min_samples must be >= 2")
+        self.prior = (float(prior[0]), float(prior[1]))
+        self.window = window
+        self.min_samples = min_samples
+        self._samples: list[tuple[int, float]] = []
+
+    def record(self, batch: int, ms: float) -> None:
+        if batch <= 0 or not ms > 0:
+            return
+        self._samples.append((int(batch), float(ms)))
+        if len(self._samples) > self.window:
+            del self._samples[: len(self._samples) - self.window]
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def fit(self) -> tuple[float, float]:
+        """``(base_ms, per_request_ms)``."""
+        xs = [b for b, _ in self._samples]
+        ys = [t for _, t in self._samples]
+        n = len(xs)
+        base0, per0 = self.prior
+        if n == 0:
+            return self.prior
+        mx, my = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        if n < self.min_samples or sxx == 0:
+            return max(0.0, my - per0 * mx), per0
+        per = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx)
+        return max(0.0, my - per * mx), per

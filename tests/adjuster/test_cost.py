@@ -66,3 +66,26 @@ def test_bad_numbers(bad):
     with pytest.raises(ValueError):
         CostModel(**bad)
     assert math.isfinite(QWEN15.throughput(5, [UNIFORM]))
+
+
+def test_step_clock_fits_a_line_and_keeps_the_prior_until_it_can():
+    from sglang_rimuru.adjuster.cost import StepClock
+
+    clock = StepClock(prior=(3.7, 0.025), min_samples=4)
+    assert clock.fit() == (3.7, 0.025)
+    clock.record(8, 5.0)
+    assert clock.fit() == pytest.approx((5.0 - 0.025 * 8, 0.025))  # one batch size: the prior's slope
+    for b, ms in ((1, 3.0), (16, 4.5), (32, 6.1)):
+        clock.record(b, ms)
+    base, per = clock.fit()
+    xs, ys = [8, 1, 16, 32], [5.0, 3.0, 4.5, 6.1]
+    mx, my = sum(xs) / 4, sum(ys) / 4
+    want = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    assert per == pytest.approx(want) and base == pytest.approx(my - want * mx)
+    clock.record(0, 1.0)  # ignored: no batch
+    clock.record(4, float("nan"))  # ignored
+    assert len(clock) == 4
+    small = StepClock(prior=(1.0, 0.0), window=3)
+    for b in (1, 2, 3, 4):
+        small.record(b, float(b))
+    assert len(small) == 3  # the window keeps the latest

@@ -26,9 +26,10 @@ pytestmark = pytest.mark.server
 MODES = {
     "off": [],
     "static": ["--rimuru-mode", "static", "--rimuru-resident-experts", "4", "--rimuru-expert-offload-limit", "4"],
-    # 512 tokens of KV: the radix test's ~400-token prompt fits, the burst does not (evictions)
+    # 512 tokens of KV: the radix test's ~400-token prompt fits, the burst does not (evictions);
+    # the cost-aware adjuster (on CPU an expert's PCIe time is ~0: its evictions pay, as the paper's)
     "elastic": ["--rimuru-mode", "elastic", "--rimuru-expert-offload-limit", "4", "--max-total-tokens", "512",
-                "--context-length", "1024"],
+                "--context-length", "1024", "--rimuru-adjuster-policy", "cost"],
 }
 
 
@@ -186,5 +187,6 @@ def test_concurrent_burst_over_every_api(server, mode):
     log = server.log()
     assert "Traceback" not in log
     if mode == "elastic":  # a round short of KV sent experts out
+        assert "sglang-rimuru cost-aware adjuster" in log
         rounds = [ln for ln in log.splitlines() if "sglang-rimuru round" in ln]
         assert any("kv_short" in ln and "experts out [L" in ln for ln in rounds), rounds

@@ -55,6 +55,32 @@ def active() -> "RimuruRuntime | None":
     return _ACTIVE
 
 
+#: decode step (base ms, ms per request) assumed until decode rounds were timed
+#: (the Qwen1.5-MoE shape on the H200 with CUDA graphs: 3.75 ms at 1, 4.47 ms at 32)
+STEP_PRIOR_MS = (3.7, 0.025)
+#: in-place reads reached 93 % of a pinned copy on the H200 (bench/RESULTS.md)
+IN_PLACE_SHARE = 0.93
+
+
+def _in_place_read_gbps(device) -> float:
+    """What an in-place read of host pages moves per second here: a pinned 64 MiB
+    host->device copy timed three times, scaled by what in-place reads reached on
+    the H200. CPU: a nominal 50 GB/s (nothing crosses PCIe there)."""
+    if torch.device(device).type != "cuda":
+        return 50.0
+    n = 64 << 20
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    dev.copy_(host, non_blocking=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        dev.copy_(host, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return IN_PLACE_SHARE * 3 * n / (start.elapsed_time(end) * 1e6)
+
+
 def _range(counts) -> str:
     counts = list(counts)
     lo, hi = min(counts), max(counts)
@@ -293,7 +319,17 @@ class RimuruRuntime:
         from sglang_rimuru.adjuster.controller import ElasticController
         from sglang_rimuru.adjuster.link import OrderLink
 
-        adjuster = Adjuster(config.adjuster_policy(), page_pool, residency, ranking)
+        cost = None
+        if config.adjuster_policy_name == "cost":
+            from sglang_rimuru.adjuster.cost import CostModel
+
+            shape = residency.shape
+            cost = CostModel.for_expert(shape.expert_bytes, _in_place_read_gbps(manager.device),
+                                        base_ms=STEP_PRIOR_MS[0], per_request_ms=STEP_PRIOR_MS[1])
+            logger.info("sglang-rimuru cost-aware adjuster: an expert costs %.3f ms per decode step that "
+                        "routes to it (%d B over PCIe); step time fitted from decode rounds", cost.expert_ms,
+                        shape.expert_bytes)
+        adjuster = Adjuster(config.adjuster_policy(), page_pool, residency, ranking, cost=cost)
         link = OrderLink()
         trace = config.adjuster_trace
         if trace and tp_rank:
