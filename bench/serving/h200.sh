@@ -20,8 +20,10 @@ for run in ${RUNS:-static32 elastic32}; do
     off32)      one off32 32 q15 -- ;;
     static32)   one static32 32 q15 -- --rimuru-mode static --rimuru-resident-experts 50 --rimuru-expert-offload-limit 10 ;;
     elastic32)  one elastic32 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 ;;
+    elastic32c) one elastic32c 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-adjuster-policy cost ;;
     static24)   one static24 24 q15 -- --rimuru-mode static --rimuru-resident-experts 36 --rimuru-expert-offload-limit 24 ;;
     elastic24)  one elastic24 24 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 24 ;;
+    elastic24c) one elastic24c 24 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 24 --rimuru-adjuster-policy cost ;;
     offload24)  one offload24 24 q15 -- --cpu-offload-gb 8 ;;
     *) echo "unknown run $run" ;;
     esac

@@ -1,0 +1,131 @@
+"""Tables and plots from bench/serving/run_one.py's JSON files.
+
+    python3 bench/serving/report.py RESULT.json [...] [--plots DIR] [--baseline NAME]
+
+Prints one markdown table (system, card, completed, duration, output tok/s,
+TTFT and TPOT median / p99, peak running, peak GPU memory against the card,
+evictions / restores) and, with ``--baseline NAME``, each system's ratios to
+that one (throughput, TTFT median, peak running, TPOT median). ``--plots DIR``
+writes PNGs (matplotlib; the H200 image has it): the pool split over time
+(resident experts from the adjuster trace) beside the waiting queue, one per
+elastic run, and output throughput / TTFT median against request rate when
+runs of one system at several rates are given (names ``SYSTEM@RATE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def load(paths: list[str]) -> list[dict]:
+    return [json.loads(Path(p).read_text()) for p in paths]
+
+
+def row(r: dict) -> str:
+    b, lg, tr = r["bench"], r["log"], r.get("trace") or {}
+    done = f"{b.get('completed', 0)}/{r['num_prompts']}" + (" (stopped)" if r.get("stopped_at_budget") else "")
+    mem = f"{r['peak_process_mib'] / 1024:.1f} / {r['card_gib']:.0f}"
+    moves = f"{tr.get('evicted', 0)} / {tr.get('restored', 0)}" if tr else "-"
+    return (f"| {r['name']} | {r['card_gib']:.0f} GB | {done} | {b.get('duration', 0):.1f} | "
+            f"{b.get('output_throughput', 0):.0f} | {b.get('median_ttft_ms', 0) / 1e3:.2f} / "
+            f"{b.get('p99_ttft_ms', 0) / 1e3:.2f} | {b.get('median_tpot_ms', 0):.2f} / {b.get('p99_tpot_ms', 0):.2f} | "
+            f"{lg['peak_running']} | {mem} | {moves} |")
+
+
+def table(results: list[dict]) -> str:
+    head = ("| system | card | completed | duration s | output tok/s | TTFT med / p99 s | TPOT med / p99 ms | "
+            "peak running | peak GPU GiB (process) / card | evicted / restored |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
+    return "\n".join([head, *(row(r) for r in results)])
+
+
+def ratios(results: list[dict], baseline: str) -> str:
+    base = next((r for r in results if r["name"] == baseline), None)
+    if base is None:
+        raise SystemExit(f"no result named {baseline!r}")
+    bb = base["bench"]
+
+    def ratio(a, b):
+        return f"{a / b:.2f}x" if b else "-"
+
+    lines = [f"| vs {baseline} | output tok/s | TTFT median | peak running | TPOT median |", "|---|---|---|---|---|"]
+    for r in results:
+        b = r["bench"]
+        lines.append(f"| {r['name']} | {ratio(b.get('output_throughput', 0), bb.get('output_throughput', 0))} | "
+                     f"{ratio(b.get('median_ttft_ms', 0), bb.get('median_ttft_ms', 0))} | "
+                     f"{ratio(r['log']['peak_running'], base['log']['peak_running'])} | "
+                     f"{ratio(b.get('median_tpot_ms', 0), bb.get('median_tpot_ms', 0))} |")
+    return "\n".join(lines)
+
+
+def plots(results: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    made = []
+    for r in results:
+        series = (r.get("trace") or {}).get("series")
+        if not series:
+            continue
+        t, resident, waiting = zip(*series)
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        ax.step(t, resident, where="post", label="resident experts")
+        ax.set_xlabel("s since the first change")
+        ax.set_ylabel("resident experts")
+        ax2 = ax.twinx()
+        ax2.plot(t, waiting, color="tab:red", alpha=0.6, label="waiting requests")
+        ax2.set_ylabel("waiting requests")
+        ax.set_title(f"{r['name']}: the pool's split and the queue")
+        fig.tight_layout()
+        path = out / f"{r['name']}_split.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        made.append(path)
+    by_system = defaultdict(list)
+    for r in results:
+        if "@" in r["name"]:
+            by_system[r["name"].split("@")[0]].append(r)
+    if by_system:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+        for system, rs in sorted(by_system.items()):
+            rs.sort(key=lambda r: r["rate"])
+            rates = [r["rate"] for r in rs]
+            a1.plot(rates, [r["bench"].get("output_throughput", 0) for r in rs], marker="o", label=system)
+            a2.plot(rates, [r["bench"].get("median_ttft_ms", 0) / 1e3 for r in rs], marker="o", label=system)
+        a1.set_xlabel("request rate (req/s)")
+        a1.set_ylabel("output tok/s")
+        a2.set_xlabel("request rate (req/s)")
+        a2.set_ylabel("TTFT median (s)")
+        a1.legend()
+        fig.tight_layout()
+        path = out / "rate_sweep.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="+")
+    ap.add_argument("--baseline")
+    ap.add_argument("--plots")
+    args = ap.parse_args()
+    results = load(args.results)
+    print(table(results))
+    if args.baseline:
+        print()
+        print(ratios(results, args.baseline))
+    if args.plots:
+        for p in plots(results, Path(args.plots)):
+            print("wrote", p)
+
+
+if __name__ == "__main__":
+    main()
