@@ -209,7 +209,8 @@ class ElasticController:
 
             load = Load(running=self._running, admits=1 if urgent else max(1, self._demand_requests),
                         urgent=urgent)
-        order = self.adjuster.plan_round(round_no, short, load)
+        order = self.adjuster.plan_round(round_no, short, load) if load is not None \
+            else self.adjuster.plan_round(round_no, short)
         self._round += 1
         encoded = None if order is None else encode(order)
         if self.agreement is not None:

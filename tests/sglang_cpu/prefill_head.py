@@ -136,7 +136,7 @@ assert rids(run_loop(scenario(12))[0]) == "ABC"
 
 # ---- the seam (elastic.py) around SGLang's add_one_req: the demand it gives the adjuster
 noted = []
-ctl = types.SimpleNamespace(note_demand=noted.append, clear_demand=lambda: noted.append(0))
+ctl = types.SimpleNamespace(note_demand=lambda kv, requests=1: noted.append(kv), clear_demand=lambda: noted.append(0))
 elastic._controller = lambda: ctl
 s = scenario(0)
 elastic._scheduler = types.SimpleNamespace(waiting_queue=s.queue, get_num_allocatable_reqs=lambda running_bs: 16)
