@@ -17,6 +17,9 @@ each request's KV ends, so the pool keeps every request in its own expert pages
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import time
 
 import torch
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
@@ -26,6 +29,9 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 #: (``near``), and the radix cache shares pages between requests and keeps them
 #: after their request ends, so a per-request tag would be wrong for most pages.
 KV_OWNER = "sglang_kv"
+
+#: ``SGLANG_RIMURU_KV_TRACE=PATH``: one JSON line per allocation and free (bench/pool/)
+TRACE_ENV = "SGLANG_RIMURU_KV_TRACE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,13 +66,17 @@ class PooledTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         self._runs: KVRuns | None = None  # for the next alloc() only
         self._run_ends: list[int | None] | None = None  # last id of each run of the latest alloc()
         self._last_kv: dict[int, int] = {}  # req_to_token row -> last KV id, live requests (host side)
+        self._trace = _KVTrace.from_env(runtime.page_pool)
         self.clear()
 
     def clear(self):
         self._last_kv.clear()
         if self._held:
-            self.runtime.page_pool.free_kv_pages(sorted(self._held))
+            ids = sorted(self._held)
+            self.runtime.page_pool.free_kv_pages(ids)
             self._held.clear()
+            if self._trace:
+                self._trace.write("clear", "f", ids)
         empty = torch.empty((0,), dtype=torch.int64, device=self.device)
         self.free_pages = empty  # kept for SGLang code that reads it; the pool is the truth
         self.release_pages = empty
@@ -103,6 +113,8 @@ class PooledTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
                 at += c
                 ends.append(ids[at - 1] if c else None)
             self._run_ends = ends
+        if self._trace:
+            self._trace.write(runs.kind if runs else "plain", "a", ids)
         return torch.tensor(ids, dtype=torch.int64, device=self.device)
 
     def free(self, free_index: torch.Tensor):
@@ -114,6 +126,8 @@ class PooledTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         ids = free_index.tolist()
         self._held.difference_update(ids)
         self.runtime.page_pool.free_kv_pages(ids)
+        if self._trace:
+            self._trace.write("free", "f", ids)
 
     # -- request affinity (called by the seams in affinity.py) -------------
 
@@ -149,6 +163,44 @@ class PooledTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
 
     def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
         return self._kvcache.load_cpu_copy(kv_cache_cpu, indices, mamba_indices=mamba_indices)
+
+
+class _KVTrace:
+    """``SGLANG_RIMURU_KV_TRACE``: a JSON line per allocation and free, for ``bench/pool/``.
+
+    First line: the pool geometry and the KV ids held before SGLang's allocator
+    existed. Then ``[seconds, step, op, ids, trapped, kv_split]``: ``op`` is ``a``
+    (allocation; ``step`` ``extend`` / ``decode`` / ``plain``) or ``f`` (free);
+    ``trapped`` and ``kv_split`` are the pool's counters after the event. TP rank
+    ``r > 0`` writes ``PATH.tp<r>``.
+    """
+
+    def __init__(self, path: str, pool) -> None:
+        self.pool = pool
+        self.file = open(path, "a", buffering=1)
+        g = pool.geometry
+        held = [k for k in range(g.num_kv_page_ids) if pool.is_kv_page_allocated(k)]
+        header = {"total_bytes": g.total_bytes, "expert_page_bytes": g.expert_page_bytes,
+                  "kv_page_bytes": g.kv_page_bytes, "held_at_start": held, "pid": os.getpid()}
+        self.file.write(json.dumps(header) + "\n")
+
+    @classmethod
+    def from_env(cls, pool) -> "_KVTrace | None":
+        path = os.environ.get(TRACE_ENV)
+        if not path:
+            return None
+        try:
+            from sglang.srt.distributed import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+        except Exception:  # no model-parallel group (an allocator built in a test)
+            rank = 0
+        return cls(f"{path}.tp{rank}" if rank else path, pool)
+
+    def write(self, step: str, op: str, ids: list[int]) -> None:
+        s = self.pool.stats()
+        self.file.write(json.dumps([round(time.monotonic(), 4), step, op, ids, s.trapped_kv_pages,
+                                    s.kv_split_expert_pages]) + "\n")
 
 
 def sglang_kv_pool_size(runtime) -> int:
