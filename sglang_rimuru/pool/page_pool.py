@@ -226,13 +226,7 @@ class UnifiedPagePool:
         to leave it partly empty.  Lowest id first within a page.  Cost: O(log n)
         per page, run and tail, plus O(E/K) or O(H/E) for a split.
         """
-        counts = [int(c) for c in counts]
-        near = [None] * len(counts) if near is None else list(near)
-        if len(near) != len(counts) or any(c < 0 for c in counts):
-            raise ValueError(f"need one near id per run and counts >= 0, got {counts} and {near}")
-        e_of = self.geometry.expert_page_of_kv_page  # validates the range; a hole -> None
-        near_mid = [None if k is None else e_of(k) for k in near]
-        tail_ids = [e_of(k) for k in tails]
+        counts, near_mid, tail_ids = self._runs_args(counts, near, tails)
         total = sum(counts)
         if total == 0:
             return []
@@ -263,6 +257,30 @@ class UnifiedPagePool:
             for j in claimed:
                 self._trapped.add(j)
         return out
+
+    def tail_shortfall(
+        self, counts: Sequence[int], near: Sequence[int | None] | None = None, tails: Iterable[int] = ()
+    ) -> int:
+        """KV pages that ``alloc_kv_runs(counts, near, tails=tails)`` would have to take
+        from tails (its step 4) as the pool stands: freeing that many KV pages first
+        (a cache eviction) keeps every request out of the others' expert pages.
+
+        Counted in KV pages: each run's need beyond the room left in its ``near``
+        page, against the free KV pages outside every tail. O(runs + tails).
+        """
+        counts, near_mid, tail_ids = self._runs_args(counts, near, tails)
+        room: dict[int, int] = {}
+        for j in (*near_mid, *tail_ids):
+            if j is not None and j not in room and self._has_free_kv(j):
+                room[j] = len(self._mid_kv[j].free)
+        outside = self._n_trapped - sum(room.values()) + self._free_kv_capacity
+        need = 0
+        for count, j in zip(counts, near_mid):
+            own = min(count, room.get(j, 0))
+            if own:
+                room[j] -= own
+            need += count - own
+        return max(0, need - outside)
 
     def free_kv_pages(self, ids: Iterable[int]) -> None:
         """Return KV pages; merges expert pages and then huge pages bottom-up."""
@@ -425,6 +443,15 @@ class UnifiedPagePool:
         self._n_trapped += len(split.free)
         self._trapped.add(j)
         return j
+
+    def _runs_args(self, counts, near, tails) -> tuple[list[int], list[int | None], list[int | None]]:
+        """Checked runs: counts, the expert page of each ``near`` and of each tail id."""
+        counts = [int(c) for c in counts]
+        near = [None] * len(counts) if near is None else list(near)
+        if len(near) != len(counts) or any(c < 0 for c in counts):
+            raise ValueError(f"need one near id per run and counts >= 0, got {counts} and {near}")
+        e_of = self.geometry.expert_page_of_kv_page  # validates the range; a hole -> None
+        return counts, [None if k is None else e_of(k) for k in near], [e_of(k) for k in tails]
 
     def _has_free_kv(self, j: int) -> bool:
         split = self._mid_kv.get(j)

@@ -185,6 +185,21 @@ def test_runs_near_and_tails_on_holes_are_ignored() -> None:
     p.check_invariants()
 
 
+def test_tail_shortfall_is_what_would_enter_other_requests_pages() -> None:
+    p = checked(PLAIN)
+    assert p.alloc_expert_pages(3, [ek(i) for i in range(3)]) == [0, 1, 2]
+    assert p.alloc_kv_runs([2, 1]) == [9, 10, 12]  # a: page 3, room 11; b: page 4, room 13, 14
+    assert p.tail_shortfall([2, 2], near=[10, 12]) == 0  # page 5 is free
+    assert p.alloc_kv_runs([3], tails=[10, 12]) == [15, 16, 17]  # c fills page 5
+    assert p.tail_shortfall([1, 2], near=[10, 12]) == 0  # within each request's room
+    assert p.tail_shortfall([2, 1], near=[10, 12]) == 1  # a needs one beyond its room
+    assert p.tail_shortfall([3], tails=[10, 12]) == 3  # all that is free is a's and b's room
+    p.free_kv_pages([16])  # c ends part-way: a hole in page 5
+    assert p.tail_shortfall([3], tails=[10, 12]) == 2
+    assert p.tail_shortfall([3]) == 0  # no live request named: every free page is fair
+    p.check_invariants()
+
+
 # ---------------------------------------------------------------- merge
 
 

@@ -21,9 +21,10 @@ bootstrap_process(ProcessContext(device="cpu", rimuru={"mode": "static"}))
 
 import sglang.srt.managers.schedule_batch as schedule_batch  # noqa: E402
 from sglang.srt.mem_cache import allocation  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
-from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 from sglang.srt.runtime_context import get_context  # noqa: E402
 
 from rimuru_patches import seams  # noqa: E402
@@ -126,5 +127,23 @@ assert kv_of(r2t, c, 4) == [1, 2, 3, 8], kv_of(r2t, c, 4)  # page 0 (after the d
 e = request()  # alone in a later prefill: c's and d's rooms are tails (the allocator's record)
 schedule_batch.alloc_for_extend(batch([e], alloc, r2t, cache, [1], extend_lens=[1]))
 assert kv_of(r2t, e, 1) == [12], kv_of(r2t, e, 1)
+pool.check_invariants()
+
+# -- a full pool: a request that needs a new page gets an evicted cache entry's page ----------
+# SGLang would not evict here (b's room covers the step), and a would go into b's page.
+pool, alloc, r2t, cache = setup()
+assert pool.alloc_expert_pages(5, [f"expert{i}" for i in range(5)]) == [1, 2, 3, 4, 5]
+x = alloc.alloc(3)  # a finished request's KV, cached and unlocked
+assert x.tolist() == [1, 2, 3]
+cache.insert(InsertParams(key=RadixKey([7, 8, 9]), value=x))
+a, b = request(), request()
+schedule_batch.alloc_for_extend(batch([a, b], alloc, r2t, cache, [3, 1], extend_lens=[3, 1]))
+assert kv_of(r2t, a, 3) == [24, 25, 26] and kv_of(r2t, b, 1) == [28]  # pages 6 and 7, no page free
+schedule_batch.alloc_for_decode(batch([a, b], alloc, r2t, cache, [3, 1]), 1)
+assert alloc.available_size() == 2 and cache.evictable_size() == 3  # b's room: 30, 31
+schedule_batch.alloc_for_decode(batch([a, b], alloc, r2t, cache, [4, 2]), 1)
+assert kv_of(r2t, a, 5) == [24, 25, 26, 27, 1], kv_of(r2t, a, 5)  # the evicted entry's page 0
+assert kv_of(r2t, b, 3) == [28, 29, 30], kv_of(r2t, b, 3)
+assert cache.evictable_size() == 0
 pool.check_invariants()
 print("OK")

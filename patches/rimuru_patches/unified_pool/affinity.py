@@ -14,6 +14,14 @@ slots, then request 1's) and where each request's KV ends:
   allocator's host record of the ids it handed out (``_last_kv``, by
   ``req_to_token`` row), so the decode path reads nothing from the device.
 
+When the pool has no room outside the live requests' expert pages (no free
+expert page, no partly used page nobody is writing into), SGLang would not
+evict: the free KV slots it counts are the unfilled ends of those pages, and
+the batch would fill them with other requests' KV. So before the step, the
+wrappers evict that shortfall from SGLang's radix cache (least recently used
+first, as SGLang's own ``evict_from_tree_cache`` does when short): in a full
+pool those entries are the next SGLang evicts anyway, a few steps earlier.
+
 The allocator falls back to its plain order when the allocation it sees is not
 the one announced (a count that does not match), so an SGLang that allocates
 differently loses affinity but keeps working. The hint never changes which ids
@@ -47,6 +55,16 @@ def prefix_ends(reqs) -> list[int | None]:
     return near
 
 
+def make_room(batch, alloc) -> None:
+    """Evict from the radix cache what the announced step would otherwise take from
+    other requests' expert pages (nothing when the cache holds nothing evictable)."""
+    short = alloc.tail_shortfall()
+    if short and batch.tree_cache is not None:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        batch.tree_cache.evict(EvictParams(num_tokens=short))
+
+
 def wrap_alloc_for_extend(orig, ctx):
     from rimuru_patches.unified_pool.kv import PooledTokenToKVPoolAllocator
 
@@ -57,6 +75,7 @@ def wrap_alloc_for_extend(orig, ctx):
         alloc.expect_extend(list(batch.extend_lens), prefix_ends(batch.reqs))
         rows = None
         try:
+            make_room(batch, alloc)
             result = orig(batch)
             rows = [r.req_pool_idx for r in batch.reqs]  # assigned inside orig for new requests
             return result
@@ -77,6 +96,7 @@ def wrap_alloc_for_decode(orig, ctx):
         alloc.expect_decode(rows, token_per_req)
         done = False
         try:
+            make_room(batch, alloc)
             result = orig(batch, token_per_req)
             done = True
             return result

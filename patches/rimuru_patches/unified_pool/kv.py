@@ -144,6 +144,14 @@ class PooledTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         self._last_kv = {r: last[r] for r in rows if r in last}
         self._runs = KVRuns([per_req] * len(rows), [last.get(r) for r in rows], [], "decode")
 
+    def tail_shortfall(self) -> int:
+        """KV slots the announced allocation would take from other requests' expert
+        pages as the pool stands (``UnifiedPagePool.tail_shortfall``); 0 if none announced."""
+        runs = self._runs
+        if runs is None:
+            return 0
+        return self.runtime.page_pool.tail_shortfall(runs.counts, runs.near, runs.tails)
+
     def settle(self, rows: list[int] | None) -> None:
         """After the announced step: drop an unused announcement, and remember where
         each request's KV now ends (``rows``: the requests' ``req_to_token`` rows)."""
