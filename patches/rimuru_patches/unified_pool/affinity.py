@@ -14,10 +14,11 @@ slots, then request 1's) and where each request's KV ends:
   allocator's host record of the ids it handed out (``_last_kv``, by
   ``req_to_token`` row), so the decode path reads nothing from the device.
 
-When the pool has no room outside the live requests' expert pages (no free
-expert page, no partly used page nobody is writing into), SGLang would not
-evict: the free KV slots it counts are the unfilled ends of those pages, and
-the batch would fill them with other requests' KV. So before the step, the
+When a step needs more KV slots than the pool has outside the live requests'
+expert pages (in free expert pages and in partly used pages nobody is writing
+into), SGLang may still not evict: the free slots it counts include the
+unfilled ends of those pages, and the batch would fill them with other
+requests' KV. So before the step, the
 wrappers evict that shortfall from SGLang's radix cache (least recently used
 first, as SGLang's own ``evict_from_tree_cache`` does when short): in a full
 pool those entries are the next SGLang evicts anyway, a few steps earlier.
