@@ -182,6 +182,8 @@ def test_pool_seams_resolve_when_the_pool_mode_is_on():
                 "pool.kv_capacity",
                 "pool.kv_buffers",
                 "pool.kv_allocator",
+                "pool.kv_affinity_extend",
+                "pool.kv_affinity_decode",
                 "experts.forward_pass",
                 "experts.moe_core",
             ]

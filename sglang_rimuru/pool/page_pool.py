@@ -15,6 +15,7 @@ State map (``H``: huge pages, ``M``: expert (middle) pages, ``K``: KV ids)::
                                   _mid_kv[j].free (heap) or _kv_owner
                                 _mid_kv[j].used == owned KV ids (> 0; 0 merges)
                                 j in _trapped  <=>  _mid_kv[j].free non-empty
+                                (between calls: alloc_kv_runs holds tails aside)
     KV id k                  -> owned only if its expert page is in _mid_kv; holes never
 
 Complexity: every free set is a ``_MinIdSet`` (binary heap with lazy
@@ -190,37 +191,96 @@ class UnifiedPagePool:
     def alloc_kv_pages(
         self, n: int, owner: Hashable = None, near: int | None = None
     ) -> list[int] | None:
-        """Take ``n`` KV pages for ``owner``; ids in allocation order, or ``None``.
-
-        Per page, in order:
-          1. a free KV page in the expert page of ``near`` (a KV id the same
-             request holds), then in any partially used expert page, lowest id;
-          2. split the lowest free expert page (those in split huge pages first);
-          3. split the lowest whole huge page into expert pages, then its first
-             expert page into KV pages.
-        Because a freshly split expert page becomes the only partially used one,
-        a large request fills one expert page before it starts another.
-        """
+        """Take ``n`` KV pages for one request: :meth:`alloc_kv_runs` with one run."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        near_mid = None
-        if near is not None:
-            near_mid = self.geometry.expert_page_of_kv_page(near)  # validates range
-        if n == 0:
+        return self.alloc_kv_runs([n], [near], owner)
+
+    def alloc_kv_runs(
+        self,
+        counts: Sequence[int],
+        near: Sequence[int | None] | None = None,
+        owner: Hashable = None,
+        tails: Iterable[int] = (),
+    ) -> list[int] | None:
+        """Take KV pages for several requests at once (one prefill batch, one decode step).
+
+        Run ``i`` is ``counts[i]`` pages for a request whose last KV id is
+        ``near[i]`` (``None``: it holds none yet); the ids come back run after
+        run, each run in allocation order, or ``None`` (nothing taken) when the
+        total exceeds :meth:`kv_capacity_now`.
+
+        A *tail* is an expert page a live request continues in: the page of any
+        ``near[i]`` or ``tails`` id (the last KV ids of requests not in this
+        call), and the page where an earlier run of this call stopped with room
+        left.  Per page of run ``i``, in order:
+          1. a free KV page in the expert page the run is in (at first ``near[i]``'s);
+          2. the lowest partially used expert page that is no tail (a hole that
+             no request is filling);
+          3. split the lowest free expert page (those in split huge pages first),
+             else the lowest whole huge page into expert pages and its first
+             expert page into KV pages;
+          4. the lowest tail, only when no expert page is free.
+        So a request fills its own expert page before it starts another, and
+        requests share an expert page only where the pool would otherwise have
+        to leave it partly empty.  Lowest id first within a page.  Cost: O(log n)
+        per page, run and tail, plus O(E/K) or O(H/E) for a split.
+        """
+        counts, near_mid, tail_ids = self._runs_args(counts, near, tails)
+        total = sum(counts)
+        if total == 0:
             return []
-        if n > self.kv_capacity_now():
+        if total > self.kv_capacity_now():
             return None
+        # Tails leave _trapped for this call (so step 2 cannot pick them) and come back at the end.
+        claimed = _MinIdSet()
+        for j in (*near_mid, *tail_ids):
+            if j is not None and j in self._trapped:
+                self._trapped.discard(j)
+                claimed.add(j)
         out: list[int] = []
-        while len(out) < n:
-            if near_mid is not None and near_mid in self._trapped:
-                j = near_mid
-            else:
-                near_mid = None
-                j = self._trapped.min()
-                if j is None:
-                    j = self._split_mid_into_kv()
-            self._take_kv(j, n - len(out), owner, out)
+        try:
+            for count, j in zip(counts, near_mid):
+                left = count
+                while left:
+                    if j is None or not self._has_free_kv(j):
+                        j = self._trapped.min()
+                        if j is None:
+                            j = self._split_mid_into_kv() if self.free_expert_page_count() else claimed.min()
+                    left -= self._take_kv(j, left, owner, out)
+                    if not self._has_free_kv(j):
+                        claimed.discard(j)
+                if count and self._has_free_kv(j):  # this run's request continues here
+                    self._trapped.discard(j)
+                    claimed.add(j)
+        finally:
+            for j in claimed:
+                self._trapped.add(j)
         return out
+
+    def tail_shortfall(
+        self, counts: Sequence[int], near: Sequence[int | None] | None = None, tails: Iterable[int] = ()
+    ) -> int:
+        """KV pages that ``alloc_kv_runs(counts, near, tails=tails)`` would have to take
+        from tails (its step 4) as the pool stands: freeing that many KV pages first
+        (a cache eviction) keeps every request out of the others' expert pages.
+
+        Counted in KV pages: each run's need beyond the room left in its ``near``
+        page, against the free KV pages outside every tail. O(runs + tails).
+        """
+        counts, near_mid, tail_ids = self._runs_args(counts, near, tails)
+        room: dict[int, int] = {}
+        for j in (*near_mid, *tail_ids):
+            if j is not None and j not in room and self._has_free_kv(j):
+                room[j] = len(self._mid_kv[j].free)
+        outside = self._n_trapped - sum(room.values()) + self._free_kv_capacity
+        need = 0
+        for count, j in zip(counts, near_mid):
+            own = min(count, room.get(j, 0))
+            if own:
+                room[j] -= own
+            need += count - own
+        return max(0, need - outside)
 
     def free_kv_pages(self, ids: Iterable[int]) -> None:
         """Return KV pages; merges expert pages and then huge pages bottom-up."""
@@ -384,7 +444,20 @@ class UnifiedPagePool:
         self._trapped.add(j)
         return j
 
-    def _take_kv(self, j: int, want: int, owner: Hashable, out: list[int]) -> None:
+    def _runs_args(self, counts, near, tails) -> tuple[list[int], list[int | None], list[int | None]]:
+        """Checked runs: counts, the expert page of each ``near`` and of each tail id."""
+        counts = [int(c) for c in counts]
+        near = [None] * len(counts) if near is None else list(near)
+        if len(near) != len(counts) or any(c < 0 for c in counts):
+            raise ValueError(f"need one near id per run and counts >= 0, got {counts} and {near}")
+        e_of = self.geometry.expert_page_of_kv_page  # validates the range; a hole -> None
+        return counts, [None if k is None else e_of(k) for k in near], [e_of(k) for k in tails]
+
+    def _has_free_kv(self, j: int) -> bool:
+        split = self._mid_kv.get(j)
+        return split is not None and bool(split.free)
+
+    def _take_kv(self, j: int, want: int, owner: Hashable, out: list[int]) -> int:
         """Move up to ``want`` of expert page ``j``'s free KV pages (lowest first) to ``owner``."""
         split = self._mid_kv[j]
         free = split.free
@@ -397,6 +470,7 @@ class UnifiedPagePool:
         self._n_trapped -= take
         if not free:
             self._trapped.discard(j)
+        return take
 
     def _kv_count(self, j: int) -> int:
         e, k = self.geometry.expert_page_bytes, self.geometry.kv_page_bytes

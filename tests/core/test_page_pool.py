@@ -110,6 +110,96 @@ def test_near_on_a_hole_is_ignored_and_out_of_range_raises() -> None:
     p.check_invariants()
 
 
+def test_runs_keep_each_request_in_its_own_expert_page() -> None:
+    """One prefill of two requests, then decode steps: each request in its own expert
+    page; when one request ends, its expert pages are whole again at once."""
+    p = checked(PLAIN)
+    assert p.alloc_kv_runs([2, 2]) == [0, 1, 3, 4]  # b does not start in a's page 0
+    assert p.alloc_kv_runs([1, 1], near=[1, 4]) == [2, 5]
+    assert p.alloc_kv_runs([1, 1], near=[2, 5]) == [6, 9]  # both pages full: a fresh page each
+    p.free_kv_pages([0, 1, 2, 6])  # a ends
+    s = p.stats()
+    assert (s.kv_split_expert_pages, s.trapped_kv_pages, s.free_expert_pages) == (2, 2, 4)
+    p.check_invariants()
+
+    # The same traffic in the plain order (SGLang's alloc(n) before affinity) interleaves them.
+    q = checked(PLAIN)
+    assert q.alloc_kv_pages(4) + q.alloc_kv_pages(2) + q.alloc_kv_pages(2) == [0, 1, 2, 3, 4, 5, 6, 7]
+    q.free_kv_pages([0, 1, 4, 6])  # a held 0, 1, 4, 6; b holds 2, 3, 5, 7
+    s = q.stats()
+    assert (s.kv_split_expert_pages, s.trapped_kv_pages, s.free_expert_pages) == (3, 5, 3)
+
+
+def test_tails_of_requests_outside_the_call_stay_clear() -> None:
+    p = checked(PLAIN)
+    assert p.alloc_kv_runs([2]) == [0, 1]  # a: room left at 2
+    assert p.alloc_kv_runs([1], tails=[1]) == [3]  # a new request does not take a's room
+    assert p.alloc_kv_runs([1]) == [2]  # without the tail: the lowest partially used page
+    p.check_invariants()
+
+
+def test_holes_first_then_fresh_pages_then_tails() -> None:
+    p = checked(PLAIN)
+    assert p.alloc_kv_runs([3, 2]) == [0, 1, 2, 3, 4]  # a fills page 0; b has room at 5
+    p.free_kv_pages([1])  # a hole in page 0
+    assert p.alloc_kv_runs([2], tails=[4]) == [1, 6]  # c: the hole, then a fresh page, not b's room
+    assert p.alloc_kv_runs([9], tails=[4, 6]) == list(range(9, 18))  # d: the three free pages
+    assert p.free_expert_page_count() == 0
+    assert p.alloc_kv_runs([3], tails=[4, 6]) == [5, 7, 8]  # e: only tails left, lowest first
+    assert p.alloc_kv_runs([1]) is None
+    p.check_invariants()
+
+
+def test_runs_in_one_call_follow_their_own_near() -> None:
+    p = checked(PLAIN)
+    assert p.alloc_kv_runs([1, 1, 1]) == [0, 3, 6]  # three new requests, three pages
+    # decode: every request continues in its page, in batch order, whatever its id order
+    assert p.alloc_kv_runs([1, 1, 1], near=[6, 0, 3]) == [7, 1, 4]
+    # a zero-length run takes nothing, but its near page is still a tail
+    p.free_kv_pages([1])
+    assert p.alloc_kv_runs([0, 2], near=[0, None], tails=[4, 7]) == [9, 10]
+    # without the tails, pages 1 and 2 are holes for a new request, lowest first
+    assert p.alloc_kv_runs([0, 2], near=[0, None]) == [5, 8]
+    p.check_invariants()
+
+
+def test_runs_all_or_nothing_and_checked() -> None:
+    p = checked(PLAIN)
+    assert p.alloc_kv_runs([10, 9]) is None
+    assert p.kv_capacity_now() == 18 and p.stats().kv_split_expert_pages == 0
+    assert p.alloc_kv_runs([]) == [] and p.alloc_kv_runs([0, 0]) == []
+    with pytest.raises(ValueError, match="one near id per run"):
+        p.alloc_kv_runs([1, 1], near=[None])
+    with pytest.raises(ValueError, match="counts >= 0"):
+        p.alloc_kv_runs([-1])
+    with pytest.raises(ValueError, match="KV page id 18"):
+        p.alloc_kv_runs([1], near=[18])
+    with pytest.raises(ValueError, match="KV page id 18"):
+        p.alloc_kv_runs([1], tails=[18])
+    p.check_invariants()
+
+
+def test_runs_near_and_tails_on_holes_are_ignored() -> None:
+    p = checked(HOLES)  # KV per expert page 2,1,2,1,2; ids 2, 4, 7, 9 are holes
+    assert p.alloc_kv_runs([1, 1], near=[2, 4], tails=[7, 9]) == [0, 3]
+    p.check_invariants()
+
+
+def test_tail_shortfall_is_what_would_enter_other_requests_pages() -> None:
+    p = checked(PLAIN)
+    assert p.alloc_expert_pages(3, [ek(i) for i in range(3)]) == [0, 1, 2]
+    assert p.alloc_kv_runs([2, 1]) == [9, 10, 12]  # a: page 3, room 11; b: page 4, room 13, 14
+    assert p.tail_shortfall([2, 2], near=[10, 12]) == 0  # page 5 is free
+    assert p.alloc_kv_runs([3], tails=[10, 12]) == [15, 16, 17]  # c fills page 5
+    assert p.tail_shortfall([1, 2], near=[10, 12]) == 0  # within each request's room
+    assert p.tail_shortfall([2, 1], near=[10, 12]) == 1  # a needs one beyond its room
+    assert p.tail_shortfall([3], tails=[10, 12]) == 3  # all that is free is a's and b's room
+    p.free_kv_pages([16])  # c ends part-way: a hole in page 5
+    assert p.tail_shortfall([3], tails=[10, 12]) == 2
+    assert p.tail_shortfall([3]) == 0  # no live request named: every free page is fair
+    p.check_invariants()
+
+
 # ---------------------------------------------------------------- merge
 
 

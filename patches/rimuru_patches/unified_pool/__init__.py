@@ -9,6 +9,8 @@ Seams (all inert unless the mode is on; ledger in ``patches/README.md``):
   SGLang sizes its KV pool to what the unified pool can hold;
 * ``KVCacheConfigurator._build_mha_kv_pool`` / ``_build_token_to_kv_pool_allocator``:
   the KV buffers are views of the pool's bytes; the allocator asks the pool;
+* ``alloc_for_extend`` / ``alloc_for_decode`` as ``schedule_batch`` calls them:
+  each request's KV slots from its own expert pages (``affinity.py``);
 * ``ModelRunner.forward``: per-forward state of the expert manager;
 * ``FusedMoE.run_moe_core``: managed layers compute from the pool; on CUDA
   the paged kernel with ``--rimuru-moe-kernel exact`` (default) gets SGLang's
@@ -22,6 +24,7 @@ import os
 
 from rimuru_patches.context import ProcessContext
 from rimuru_patches.seams import Seam, original, register
+from rimuru_patches.unified_pool import affinity
 
 
 def _on(ctx: ProcessContext) -> bool:
@@ -168,3 +171,13 @@ for _name, _target, _why, _build in (
     ("experts.moe_core", "sglang.srt.layers.moe.fused_moe_triton.layer:FusedMoE.run_moe_core", "managed MoE layers compute from pool pages and load buffers", _run_moe_core),
 ):
     register(Seam(name=_name, target=_target, why=_why, build=_build, applies=_on))
+
+_SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch"
+for _name, _target, _build in (
+    ("pool.kv_affinity_extend", f"{_SCHEDULE_BATCH}:alloc_for_extend", affinity.wrap_alloc_for_extend),
+    ("pool.kv_affinity_decode", f"{_SCHEDULE_BATCH}:alloc_for_decode", affinity.wrap_alloc_for_decode),
+):
+    register(Seam(name=_name, target=_target, build=_build,
+                  why="tell the pooled allocator whose KV slots one batch allocation takes, so each "
+                      "request stays in its own expert pages",
+                  applies=lambda ctx: _on(ctx) and affinity.enabled()))
