@@ -205,7 +205,6 @@ class ExpertManager:
         self._rank = {l: [ranking.rank(l, x) for x in range(e)] for l in shape.layer_ids}
         self._bufs = [_BufferState() for _ in range(NUM_LOAD_BUFFERS)]
         self._pending: list[set[int]] = [set() for _ in range(NUM_LOAD_BUFFERS)]
-        self._in_forward = False
         #: what compute_cuda passes the paged kernel (set once, e.g. by the SGLang seam)
         self.kernel_hooks = KernelHooks()
         self._n = dict(forwards=0, layers_prepared=0, prefetched=0, prefetch_hits=0,
@@ -232,7 +231,6 @@ class ExpertManager:
 
     def begin_forward(self) -> None:
         """Start a forward pass: forget what the load buffers hold; apply residency changes."""
-        self._in_forward = True
         self._n["forwards"] += 1
         for st in self._bufs:
             st.reset(None)
@@ -241,15 +239,9 @@ class ExpertManager:
     def end_forward(self) -> None:
         """End a forward pass (its kernels enqueued): residency changes made during
         the pass (evictions) reach the tables here, stream-ordered after every layer."""
-        self._in_forward = False
         if self._cuda:
             self._pass_ev.record(torch.cuda.current_stream(self.device))
         self.refresh_tables()
-
-    @property
-    def in_forward(self) -> bool:
-        """Between ``begin_forward`` and ``end_forward``."""
-        return self._in_forward
 
     def prepare_layer(self, layer_id: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """Make every expert routed in ``topk_ids`` readable; return the layer's table.
@@ -485,15 +477,6 @@ class ExpertManager:
         for l in self.shape.layer_ids:
             for e, pages in self.residency.resident_pages(l).items():
                 self._copy_expert(l, e, pages, non_blocking=False)
-        if self._cuda:
-            torch.cuda.current_stream(self.device).synchronize()
-
-    def upload_expert(self, layer: int, expert: int, pages: tuple[int, int, int]) -> None:
-        """Copy one expert from the host store into ``pages`` (W1, W3, W2) on the
-        current stream, synchronously: e.g. before ``ExpertResidency.admit``."""
-        self.shape.check_layer(layer)
-        self.shape.check_expert(expert)
-        self._copy_expert(layer, expert, tuple(pages), non_blocking=False)
         if self._cuda:
             torch.cuda.current_stream(self.device).synchronize()
 

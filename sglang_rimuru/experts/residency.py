@@ -157,26 +157,6 @@ class ExpertResidency:
         """A copy of ``{expert: pages}`` for ``layer``."""
         return dict(self._layer(layer))
 
-    # ================================================================ nominations
-
-    def eviction_candidate(self, layer: int) -> int | None:
-        """Lowest-ranked resident expert; ``None`` at the offload limit or with none resident."""
-        if self.num_offloaded(layer) >= self.offload_limit:
-            return None
-        res = self._layer(layer)
-        for e in reversed(self.ranking.order(layer)):
-            if e in res:
-                return e
-        return None
-
-    def restore_candidate(self, layer: int) -> int | None:
-        """Highest-ranked expert not resident; ``None`` when all are resident."""
-        res = self._layer(layer)
-        for e in self.ranking.order(layer):
-            if e not in res:
-                return e
-        return None
-
     # ================================================================ mutations
 
     def evict(self, layer: int, expert: int) -> tuple[int, int, int]:

@@ -141,10 +141,9 @@ def test_partly_consecutive_pages_are_split_into_runs(host_copies) -> None:
     m = rig.manager
     before = m.pool_flat.clone()
     copies = host_copies(rig)
-    m.upload_expert(1, 2, (50, 51, 60))
-    m.upload_expert(1, 0, (57, 56, 55))
-    m.upload_expert(0, 6, (48, 61, 62))
-    m.start_uploads([(0, 7, (52, 54, 58))])
+    # restores of migration orders (pages as the pool reserved them): one copy per run
+    m.start_uploads([(1, 2, (50, 51, 60)), (1, 0, (57, 56, 55))])
+    m.start_uploads([(0, 6, (48, 61, 62)), (0, 7, (52, 54, 58))])
     m.wait_uploads()
     assert copies() == [(1, 2, 0, 50, 2), (1, 2, 2, 60, 1),
                         (1, 0, 0, 57, 1), (1, 0, 1, 56, 1), (1, 0, 2, 55, 1),

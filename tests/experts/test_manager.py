@@ -152,17 +152,22 @@ def test_eviction_reaches_the_table_after_the_forward_pass() -> None:
     t0 = m.prepare_layer(0, ids((5, 3)))
     assert rows(t0)[5] == rig.buffers.pages(0, 0) and m.stats().on_demand_loads == 1
     m.end_forward()
-    # restore expert 5 into fresh pages: copy, admit, next forward sees it
+    # restore expert 5 into fresh pages as an order does: the copy starts with a pass,
+    # lands, then the residency admits it; the next forward's table points there
     from sglang_rimuru.experts import expert_owners
 
     new = rig.pool.alloc_expert_pages(3, expert_owners(0, 5))
-    m.upload_expert(0, 5, new)
+    m.begin_forward()
+    m.start_uploads([(0, 5, tuple(new))])
+    m.end_forward()
+    assert rows(m.table(0)).get(5) is None  # not before the admit
+    m.wait_uploads()
     r.admit(0, 5, tuple(new))
     m.begin_forward()
     assert rows(m.table(0))[5] == tuple(new)
     assert all(page_holds(rig, p, 0, 5, k) for k, p in enumerate(new))
     assert 5 not in m.prepare_layer(0, ids((5, 3))).tolist()[0]  # no load
-    assert m.stats().on_demand_loads == 1
+    assert m.stats().on_demand_loads == 1 and m.stats().restored == 1
 
 
 def test_manager_construction_checks() -> None:
@@ -232,7 +237,8 @@ def test_home_table_changes_in_place_across_eviction_and_restore() -> None:
     assert torch.equal(m.compute_cpu(0, x, w, ids, home), before)  # read from the host, same output
 
     new = tuple(rig.pool.alloc_expert_pages(3, expert_owners(0, 5)))
-    m.upload_expert(0, 5, new)
+    m.start_uploads([(0, 5, new)])  # the order's restore, between passes
+    m.wait_uploads()
     r.admit(0, 5, new)
     m.begin_forward()
     assert m.table(0) is home and home.data_ptr() == address and home[5].tolist() == list(new)
