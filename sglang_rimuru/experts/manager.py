@@ -148,7 +148,10 @@ class ExpertManager:
       * the other rows of that table are the home rows;
       * resident-set changes (``ExpertResidency.evict`` / ``admit``) reach the
         tables at ``begin_forward`` / ``end_forward`` / ``refresh_tables()``,
-        never in the middle of a layer.
+        never in the middle of a layer;
+      * ``residency`` is this worker's own (the residency as applied; in elastic
+        mode changed only by ``OrderApplier``), never an object the scheduler's
+        adjuster holds; nothing here touches the page pool's bookkeeping.
     """
 
     def __init__(
@@ -166,10 +169,15 @@ class ExpertManager:
                           ("load_buffers", load_buffers)):
             if obj.shape != shape:
                 raise ValueError(f"{name}.shape {obj.shape} differs from {shape}")
-        if load_buffers.page_pool is not residency.page_pool:
-            raise ValueError("load_buffers and residency use different page pools")
-        if pool_buffer.geometry != residency.page_pool.geometry:
-            raise ValueError("pool_buffer and the page pool have different geometries")
+        geo = pool_buffer.geometry
+        if geo.expert_page_bytes < shape.expert_page_bytes:
+            raise ValueError(f"the pool's expert page ({geo.expert_page_bytes} B) is smaller than one "
+                             f"expert matrix ({shape.expert_page_bytes} B)")
+        placed = [p for l in shape.layer_ids for pages in residency.resident_pages(l).values() for p in pages]
+        ours = set(placed) | set(load_buffers.all_pages())
+        if len(ours) != len(placed) + len(load_buffers.all_pages()) or (ours and max(ours) >= geo.num_expert_pages):
+            raise ValueError(f"resident experts and load buffers must be on distinct pages of the pool's "
+                             f"{geo.num_expert_pages} expert pages")
         if load_buffers.slots < residency.offload_limit:
             raise ValueError(f"load buffers have {load_buffers.slots} slots, fewer than the offload "
                              f"limit {residency.offload_limit} (--rimuru-expert-offload-limit)")

@@ -89,8 +89,8 @@ def _uniform_rig(layers=(0, 1, 2, 3), experts=8, limit=4):
     pages = 3 * experts * len(layers) + 12
     pool = UnifiedPagePool(PoolGeometry(total_bytes=pages * 64, expert_page_bytes=64, kv_page_bytes=32))
     ranking = ExpertRanking.default(shape)
-    residency = ExpertResidency(shape, pool, ranking, limit)
-    residency.place_initial(experts)
+    residency = ExpertResidency(shape, ranking, limit)
+    residency.place_initial(pool, experts)
     return pool, ranking, residency
 
 

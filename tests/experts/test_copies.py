@@ -102,8 +102,8 @@ def test_load_buffer_slots_and_resident_experts_get_consecutive_pages() -> None:
     for shape, limit, resident in ((tiny_shape(), 3, 5), (tiny_shape(layer_ids=(1, 3, 5), E=6), 4, 2)):
         _, pool = make_pool(shape, 80)
         assert pool.alloc_kv_pages(1, "dummy") == [0]
-        residency = ExpertResidency(shape, pool, ExpertRanking.default(shape), limit)
-        residency.place_initial(resident)
+        residency = ExpertResidency(shape, ExpertRanking.default(shape), limit)
+        residency.place_initial(pool, resident)
         lb = LoadBuffers(shape, pool, limit)
         experts = [pages for l in shape.layer_ids for pages in residency.resident_pages(l).values()]
         slots = [lb.pages(b, s) for b in range(2) for s in range(limit)]

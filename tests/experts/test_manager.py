@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_rimuru.experts import BufferContent, ExpertManager, ExpertStats
+from sglang_rimuru.experts import BufferContent, ExpertManager, ExpertStats, LoadBuffers
+from sglang_rimuru.pool import PoolBuffer, PoolGeometry
 
 from .rig import host_row, make_rig, page_holds, rows, tiny_shape
 
@@ -180,6 +181,17 @@ def test_manager_construction_checks() -> None:
     small = type(rig.buffers)(rig.shape, rig.pool, 2)
     with pytest.raises(ValueError, match="2 slots, fewer than the offload limit 3"):
         ExpertManager(rig.shape, rig.buffer, rig.residency, rig.host, small, None, "cpu")
+    # the manager has no pool to ask: its page ids must at least be distinct and in the pool
+    on_experts = LoadBuffers.of_pages(rig.shape, 3, list(range(12, 30)))  # 12..14: layer 0 expert 5
+    beyond = LoadBuffers.of_pages(rig.shape, 3, list(range(50, 68)))  # a 64-page pool
+    for bad in (on_experts, beyond):
+        with pytest.raises(ValueError, match="resident experts and load buffers must be on distinct pages "
+                                             "of the pool's 64 expert pages"):
+            ExpertManager(rig.shape, rig.buffer, rig.residency, rig.host, bad, None, "cpu")
+    with pytest.raises(ValueError, match=r"the pool's expert page \(32 B\) is smaller than one expert matrix"):
+        ExpertManager(rig.shape, PoolBuffer(PoolGeometry(total_bytes=64 * 32, expert_page_bytes=32,
+                                                         kv_page_bytes=16), "cpu"),
+                      rig.residency, rig.host, rig.buffers, None, "cpu")
     m = ExpertManager(*args, None, "cpu")
     m.begin_forward()
     m.prefetch_next(0, tokens({2: 1}))  # no gates: no prefetch
