@@ -2,9 +2,15 @@
 
 No I/O.  After each scheduling round the integrator calls
 ``plan_round(round_no, kv_pages_needed)``; a returned ``MigrationOrder`` goes
-to the TP worker(s) (``orders.encode``); when the worker confirms it has
-applied the order, the integrator calls ``complete(order)`` (or ``abort(order)``
-when the worker refused it and applied nothing).
+to the TP worker(s) (``orders.encode``); when the worker acknowledges that it
+has applied the order, the integrator calls ``complete(order)`` (or
+``abort(order)`` when the worker refused it and applied nothing).
+
+The adjuster owns the page pool's expert pages (it reserves and frees them)
+and plans on its own ``ExpertResidency``: its view of what the worker holds,
+changed only by ``complete``, i.e. by the worker's acks.  The worker's
+residency and page tables are the worker's (``applier.py``); no object is
+shared between the two.
 
 Life of an order (state map)::
 
@@ -13,9 +19,12 @@ Life of an order (state map)::
                  Victims stay resident and keep their pages (the running
                  forward pass may read them): they are NOT free yet.
                  Every expert of the order is frozen (in flight).
-    complete     victims: residency.evict + page_pool.free_expert_pages
-                 (the pages are allocatable from now on); restores:
-                 residency.admit on the reserved pages.  Unfrozen.
+    (worker)     copies the restores into their reserved pages, applies the
+                 order to its own residency after the pass that may read the
+                 victims, acks.
+    complete     on the ack: victims: residency.evict (this view) +
+                 page_pool.free_expert_pages (allocatable from now on);
+                 restores: residency.admit on the reserved pages.  Unfrozen.
     abort        reserved restore pages freed; victims untouched.  Unfrozen.
 
 In-flight consistency rule (several orders may be in flight, e.g. under
@@ -106,7 +115,8 @@ class Adjuster:
     """Plans one migration order per scheduling round and keeps its bookkeeping.
 
     Contract:
-      * ``page_pool`` is the residency's pool; ``ranking`` fits the residency's shape;
+      * ``residency`` is this adjuster's own view, placed in ``page_pool`` (every
+        resident expert's pages are owned by it there); ``ranking`` fits its shape;
       * ``round_no`` strictly increases from call to call;
       * ``complete`` is called for in-flight orders in ``seq`` order, after the
         worker has finished the forward pass that could read the victims and has
@@ -120,8 +130,12 @@ class Adjuster:
         if policy.pages_per_expert != len(EXPERT_MATRICES):
             raise ValueError(f"AdjusterPolicy.pages_per_expert={policy.pages_per_expert}, but one "
                              f"expert is {len(EXPERT_MATRICES)} pool pages {EXPERT_MATRICES}")
-        if residency.page_pool is not page_pool:
-            raise ValueError("the residency tracks another page pool than the adjuster's")
+        owners = page_pool.expert_page_owners()
+        for l in residency.shape.layer_ids:
+            for e, pages in residency.resident_pages(l).items():
+                if [owners.get(q) for q in pages] != expert_owners(l, e):
+                    raise ValueError(f"the residency has layer {l} expert {e} on pages {pages}, which "
+                                     f"the adjuster's page pool does not hold for it")
         ranking.check_fits(residency.shape)
         self.policy = policy
         self.page_pool = page_pool

@@ -1,8 +1,16 @@
 """``ElasticController``: one scheduler process's elastic split, round by round.
 
-It ties the ``Adjuster`` (what to move), the ``OrderLink`` (ZMQ) and the
-worker's ``OrderApplier`` (safe application) to the points of SGLang's
-scheduler loop where the integrator (``patches/rimuru_patches/elastic``) calls it:
+The scheduler's side of the migration-order protocol: it ties the ``Adjuster``
+(what to move; the pool and the adjuster's own residency view) and its end of
+the link (``SchedulerEnd``: orders out, acks in) to the points of SGLang's
+scheduler loop where the integrator (``patches/rimuru_patches/elastic``) calls
+it.  The worker's side (``OrderApplier`` over the ``ExpertManager``, with their
+own residency and page tables) is reached only through the link's bytes, plus
+``worker``: in SGLang 0.5.17 the TP worker runs in this thread, so the
+controller gives it its turns (``worker.take_orders()`` at the start of a pass,
+``worker.finish(block)`` after it or when an order must be applied now) and
+calls nothing else on it.  A worker in another process would take its turns on
+its own; ``worker`` would then only wait for the acks.
 
     note_demand(n)      the scheduler refused a prefill: the head of its waiting
                         queue needs n KV pages in all (what is free now + what
@@ -47,23 +55,34 @@ import json
 import logging
 import time
 from collections import Counter
+from typing import Protocol
 
 from .agreement import TPAgreement
-from .applier import OrderApplier
-from .link import OrderLink
+from .link import SchedulerEnd
 from .orders import MigrationOrder, encode
 
-__all__ = ["ElasticController"]
+__all__ = ["ElasticController", "WorkerTurns"]
 
 logger = logging.getLogger(__name__)
 
 
+class WorkerTurns(Protocol):
+    """How the scheduler side lets an in-thread TP worker act (``OrderApplier``)."""
+
+    def take_orders(self) -> object:
+        """Take the orders on the link (start of a pass, or before ``finish``)."""
+
+    def finish(self, block: bool = True) -> object:
+        """Apply and acknowledge what the worker took (``block``: wait for its copies)."""
+
+
 class ElasticController:
-    def __init__(self, adjuster, link: OrderLink, applier: OrderApplier, *,
+    def __init__(self, adjuster, link: SchedulerEnd, worker: WorkerTurns, *,
                  trace_path: str | None = None, check_invariants: bool = False) -> None:
         self.adjuster = adjuster
         self.link = link
-        self.applier = applier
+        #: the in-thread worker's turns; never its state (see the module docstring)
+        self.worker = worker
         self.trace_path = trace_path
         self.check_invariants = check_invariants
         #: called after the split changed (the integrator re-syncs SGLang's capacity copies)
@@ -81,6 +100,8 @@ class ElasticController:
         self._waiting = 0
         self._n = Counter(orders_completed=0, orders_aborted=0, evictions=0, restores=0,
                           urgent_orders=0, refused_acks=0)
+        #: orders the worker refused, as its acks say (aborted ones and ones not in flight)
+        self._refused = 0
         if trace_path:
             open(trace_path, "w").close()  # one trace per server run
 
@@ -117,8 +138,8 @@ class ElasticController:
         self._running = running
         # Orders a pass never took are applied now; finished restore copies are acknowledged.
         # Copies still running are not waited for (they overlap the next passes).
-        self.applier.take_orders()
-        self.applier.finish(block=False)
+        self.worker.take_orders()
+        self.worker.finish(block=False)
         self._collect()
         order = self._plan(self._demand)
         if self.agreement is not None and busy:
@@ -162,23 +183,26 @@ class ElasticController:
             return 0
         return max(0, policy.restore_high_water + policy.pages_per_expert - adj.page_pool.free_expert_page_count())
 
-    # ---------------------------------------------------------------- worker side
+    # ---------------------------------------------------------------- the worker's turns
 
     def before_forward(self) -> None:
-        self.applier.take_orders()
+        """Start of a forward pass: the worker takes this round's order."""
+        self.worker.take_orders()
 
     def after_forward(self) -> None:
+        """End of a forward pass: the worker acknowledges what it applied; the acks
+        complete their orders here, so freed pages reach the next round's schedule."""
         # Never wait for restore copies here: they overlap this pass and the next
         # ones; orders whose copies are still running are acknowledged later.
-        self.applier.finish(block=False)
+        self.worker.finish(block=False)
         self._collect()
 
     def settle(self) -> list[MigrationOrder]:
         """Apply and complete everything sent now, waiting for its restore copies
         (safe between passes, also with a pass still running on the GPU: see
         ``applier.py``)."""
-        self.applier.take_orders()
-        self.applier.finish()
+        self.worker.take_orders()
+        self.worker.finish()
         return self._collect()
 
     # ---------------------------------------------------------------- observability
@@ -195,7 +219,7 @@ class ElasticController:
             kv_split_expert_pages=pool.kv_split_expert_pages,
             free_expert_pages=pool.free_expert_pages,
             kv_pages_used=pool.kv_pages_used,
-            refused_orders=self.applier.refused,
+            refused_orders=self._refused,
             **self._n,
         )
 
@@ -224,6 +248,8 @@ class ElasticController:
         in_flight = {o.seq: o for o in self.adjuster.in_flight}
         for ack in self.link.recv_acks():
             seq = ack.get("seq")
+            if not ack.get("ok"):
+                self._refused += 1
             order = in_flight.pop(seq, None)
             if order is None:
                 self._n["refused_acks"] += 1

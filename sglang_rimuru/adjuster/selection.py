@@ -3,11 +3,11 @@
 Each layer nominates one expert at a time; the adjuster takes the best
 nomination over all layers, and that layer then nominates its next one:
 
-    evict    nomination: the layer's lowest-ranked resident expert
-             (``ExpertResidency.eviction_candidate``); none once the layer
-             would exceed its offload limit.  Take the LEAST probable.
-    restore  nomination: the layer's highest-ranked offloaded expert
-             (``ExpertResidency.restore_candidate``).  Take the MOST probable.
+    evict    nomination: the layer's lowest-ranked resident expert; none
+             once the layer would exceed its offload limit.  Take the LEAST
+             probable.
+    restore  nomination: the layer's highest-ranked offloaded expert.  Take
+             the MOST probable.
     ties     (equal probability across layers): spread over layers. A victim
              comes from the layer with the FEWEST experts offloaded (counting
              in-flight evictions and the picks so far), a restore goes to the

@@ -10,11 +10,15 @@ other.  Each buffer has ``slots`` slots of three expert pages (W1, W3, W2)::
 that, so every offloaded expert a step needs fits at once.  The pages are
 ordinary pool pages, so the paged MoE kernel reads a loaded expert exactly as
 it reads a resident one.
+
+A ``LoadBuffers`` is page ids only (immutable; no pool kept): the pool's owner
+(the scheduler side) takes the pages once at start, and the TP worker's
+``ExpertManager`` gets its own copy built from the ids (``of_pages``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from sglang_rimuru.pool import UnifiedPagePool
 
@@ -31,22 +35,18 @@ def load_buffer_page_owner(buffer: int, slot: int, m: int) -> Hashable:
 
 
 class LoadBuffers:
-    """``2 * slots * 3`` expert pages taken from the pool at construction.
+    """``2 * slots * 3`` expert pages, taken from ``page_pool`` at construction.
 
     Allocation order (one all-or-nothing call, so page ids are predictable):
-    buffer 0 slot 0 W1, W3, W2, buffer 0 slot 1 ..., then buffer 1.
-    ``release()`` gives them back to the pool.
+    buffer 0 slot 0 W1, W3, W2, buffer 0 slot 1 ..., then buffer 1.  The pool
+    is not kept: the pages stay owned by the load buffers for the server's life.
     """
 
     def __init__(self, shape: MoEShape, page_pool: UnifiedPagePool, slots: int) -> None:
-        if isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= shape.num_experts:
-            raise ValueError(f"load buffer slots must be in [0, {shape.num_experts}], got {slots!r}")
+        _check_slots(shape, slots)
         if page_pool.geometry.expert_page_bytes < shape.expert_page_bytes:
             raise ValueError(f"the pool's expert page ({page_pool.geometry.expert_page_bytes} B) is "
                              f"smaller than one expert matrix ({shape.expert_page_bytes} B)")
-        self.shape = shape
-        self.page_pool = page_pool
-        self.slots = slots
         owners = [load_buffer_page_owner(b, s, m)
                   for b in range(NUM_LOAD_BUFFERS) for s in range(slots) for m in range(3)]
         pages = page_pool.alloc_expert_pages(len(owners), owners)
@@ -56,11 +56,26 @@ class LoadBuffers:
                 f"the two expert load buffers ({slots} slots each, "
                 f"--rimuru-expert-offload-limit={slots}) need {len(owners)} expert pages "
                 f"({len(owners) * page_pool.geometry.expert_page_bytes} B), the pool has {free} free")
+        self._set(shape, slots, pages)
+
+    @classmethod
+    def of_pages(cls, shape: MoEShape, slots: int, pages: Sequence[int]) -> "LoadBuffers":
+        """The load buffers on ``pages`` (``all_pages()`` of buffers taken elsewhere), no pool."""
+        _check_slots(shape, slots)
+        if len(pages) != NUM_LOAD_BUFFERS * slots * 3 or len(set(pages)) != len(pages):
+            raise ValueError(f"load buffers of {slots} slots need {NUM_LOAD_BUFFERS * slots * 3} "
+                             f"distinct pages, got {list(pages)}")
+        out = cls.__new__(cls)
+        out._set(shape, slots, [int(p) for p in pages])
+        return out
+
+    def _set(self, shape: MoEShape, slots: int, pages: Sequence[int]) -> None:
+        self.shape = shape
+        self.slots = slots
         it = iter(pages)
-        self._pages: list[list[tuple[int, int, int]]] = [
-            [(next(it), next(it), next(it)) for _ in range(slots)] for _ in range(NUM_LOAD_BUFFERS)
-        ]
-        self._released = False
+        self._pages: tuple[tuple[tuple[int, int, int], ...], ...] = tuple(
+            tuple((next(it), next(it), next(it)) for _ in range(slots)) for _ in range(NUM_LOAD_BUFFERS)
+        )
 
     @property
     def num_buffers(self) -> int:
@@ -75,21 +90,19 @@ class LoadBuffers:
 
     def pages(self, buffer: int, slot: int) -> tuple[int, int, int]:
         """``(W1 page, W3 page, W2 page)`` of one slot."""
-        if self._released:
-            raise RuntimeError("load buffers were released")
         if buffer not in range(NUM_LOAD_BUFFERS) or slot not in range(self.slots):
             raise ValueError(f"load buffer ({buffer}, {slot}) out of range "
                              f"({NUM_LOAD_BUFFERS} buffers x {self.slots} slots)")
         return self._pages[buffer][slot]
 
     def all_pages(self) -> list[int]:
+        """Every page, in allocation order."""
         return [p for buf in self._pages for slot in buf for p in slot]
-
-    def release(self) -> None:
-        """Return every page to the pool (shutdown, or before re-sizing)."""
-        if not self._released:
-            self.page_pool.free_expert_pages(self.all_pages())
-            self._released = True
 
     def __repr__(self) -> str:
         return f"LoadBuffers(buffers={NUM_LOAD_BUFFERS}, slots={self.slots})"
+
+
+def _check_slots(shape: MoEShape, slots: int) -> None:
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 0 <= slots <= shape.num_experts:
+        raise ValueError(f"load buffer slots must be in [0, {shape.num_experts}], got {slots!r}")

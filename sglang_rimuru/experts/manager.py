@@ -148,7 +148,10 @@ class ExpertManager:
       * the other rows of that table are the home rows;
       * resident-set changes (``ExpertResidency.evict`` / ``admit``) reach the
         tables at ``begin_forward`` / ``end_forward`` / ``refresh_tables()``,
-        never in the middle of a layer.
+        never in the middle of a layer;
+      * ``residency`` is this worker's own (the residency as applied; in elastic
+        mode changed only by ``OrderApplier``), never an object the scheduler's
+        adjuster holds; nothing here touches the page pool's bookkeeping.
     """
 
     def __init__(
@@ -166,10 +169,15 @@ class ExpertManager:
                           ("load_buffers", load_buffers)):
             if obj.shape != shape:
                 raise ValueError(f"{name}.shape {obj.shape} differs from {shape}")
-        if load_buffers.page_pool is not residency.page_pool:
-            raise ValueError("load_buffers and residency use different page pools")
-        if pool_buffer.geometry != residency.page_pool.geometry:
-            raise ValueError("pool_buffer and the page pool have different geometries")
+        geo = pool_buffer.geometry
+        if geo.expert_page_bytes < shape.expert_page_bytes:
+            raise ValueError(f"the pool's expert page ({geo.expert_page_bytes} B) is smaller than one "
+                             f"expert matrix ({shape.expert_page_bytes} B)")
+        placed = [p for l in shape.layer_ids for pages in residency.resident_pages(l).values() for p in pages]
+        ours = set(placed) | set(load_buffers.all_pages())
+        if len(ours) != len(placed) + len(load_buffers.all_pages()) or (ours and max(ours) >= geo.num_expert_pages):
+            raise ValueError(f"resident experts and load buffers must be on distinct pages of the pool's "
+                             f"{geo.num_expert_pages} expert pages")
         if load_buffers.slots < residency.offload_limit:
             raise ValueError(f"load buffers have {load_buffers.slots} slots, fewer than the offload "
                              f"limit {residency.offload_limit} (--rimuru-expert-offload-limit)")
@@ -205,7 +213,6 @@ class ExpertManager:
         self._rank = {l: [ranking.rank(l, x) for x in range(e)] for l in shape.layer_ids}
         self._bufs = [_BufferState() for _ in range(NUM_LOAD_BUFFERS)]
         self._pending: list[set[int]] = [set() for _ in range(NUM_LOAD_BUFFERS)]
-        self._in_forward = False
         #: what compute_cuda passes the paged kernel (set once, e.g. by the SGLang seam)
         self.kernel_hooks = KernelHooks()
         self._n = dict(forwards=0, layers_prepared=0, prefetched=0, prefetch_hits=0,
@@ -232,7 +239,6 @@ class ExpertManager:
 
     def begin_forward(self) -> None:
         """Start a forward pass: forget what the load buffers hold; apply residency changes."""
-        self._in_forward = True
         self._n["forwards"] += 1
         for st in self._bufs:
             st.reset(None)
@@ -241,15 +247,9 @@ class ExpertManager:
     def end_forward(self) -> None:
         """End a forward pass (its kernels enqueued): residency changes made during
         the pass (evictions) reach the tables here, stream-ordered after every layer."""
-        self._in_forward = False
         if self._cuda:
             self._pass_ev.record(torch.cuda.current_stream(self.device))
         self.refresh_tables()
-
-    @property
-    def in_forward(self) -> bool:
-        """Between ``begin_forward`` and ``end_forward``."""
-        return self._in_forward
 
     def prepare_layer(self, layer_id: int, topk_ids: torch.Tensor) -> torch.Tensor:
         """Make every expert routed in ``topk_ids`` readable; return the layer's table.
@@ -485,15 +485,6 @@ class ExpertManager:
         for l in self.shape.layer_ids:
             for e, pages in self.residency.resident_pages(l).items():
                 self._copy_expert(l, e, pages, non_blocking=False)
-        if self._cuda:
-            torch.cuda.current_stream(self.device).synchronize()
-
-    def upload_expert(self, layer: int, expert: int, pages: tuple[int, int, int]) -> None:
-        """Copy one expert from the host store into ``pages`` (W1, W3, W2) on the
-        current stream, synchronously: e.g. before ``ExpertResidency.admit``."""
-        self.shape.check_layer(layer)
-        self.shape.check_expert(expert)
-        self._copy_expert(layer, expert, tuple(pages), non_blocking=False)
         if self._cuda:
             torch.cuda.current_stream(self.device).synchronize()
 

@@ -1,23 +1,31 @@
 """``ExpertResidency``: which experts of each MoE layer sit on which three expert pages.
 
-Bookkeeping only (no tensors).  State map, per MoE layer ``l``::
+Bookkeeping only (no tensors, no pool).  State map, per MoE layer ``l``::
 
-    _pages[l]   {expert: (p_w1, p_w3, p_w2)}   the resident experts; every page is
-                owned in the pool by ExpertKey(l, expert, "w1" / "w3" / "w2")
+    _pages[l]   {expert: (p_w1, p_w3, p_w2)}   the resident experts
+    _holder     {page: (l, expert)}            the same, by page: no page holds two experts
     offloaded   every other expert of l;  len(offloaded) <= offload_limit, always
     _version[l] bumped on every change of l (the manager refreshes its table then)
 
-The static mode keeps a prefix of each layer's ranking resident
-(``place_initial``). The elastic mode starts with whatever set fits
-(``place_all_but``: the adjuster's selection picks who is left out) and moves
-experts in and out with ``evict`` / ``admit``; nothing here assumes the
-resident set is a prefix.
+It holds no reference to the page pool, so each side of the migration-order
+protocol keeps its own (``sglang_rimuru/adjuster/README.md``, "Who owns
+what"): the scheduler's adjuster its view, changed when the worker
+acknowledges an order; the TP worker's ``ExpertManager`` the residency as
+applied, which its page tables follow.  The two are built from the same
+placement (``placement()``: plain data) and never share an object.
+
+Placement takes pages from the pool it is given (scheduler side, at start):
+the static mode keeps a prefix of each layer's ranking resident
+(``place_initial``); the elastic mode starts with whatever set fits
+(``place_all_but``: the adjuster's selection picks who is left out). Experts
+move in and out with ``evict`` / ``admit``; nothing here assumes the resident
+set is a prefix.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 
 from sglang_rimuru.pool import EXPERT_MATRICES, ExpertKey, UnifiedPagePool
 
@@ -37,35 +45,57 @@ class ExpertResidency:
 
     Contract:
       * a layer never has more than ``offload_limit`` experts offloaded once
-        ``place_initial`` has run (``evict`` refuses to go past it);
+        placed (``place_initial`` / ``place_all_but``, or built from a
+        ``placement``); ``evict`` refuses to go past it;
+      * no page holds two resident experts (``admit`` refuses);
       * ``resident``/``offloaded`` list experts in ranking order (hottest first);
-      * pages are allocated by ``place_initial`` and, for ``admit``, by the
-        caller; this class never frees a page: ``evict`` hands the pages back
-        to the caller, who frees them once no forward pass can read them.
+      * pages are allocated by ``place_*`` (from the pool given to it) and, for
+        ``admit``, by the pool's owner; this class never frees a page and keeps
+        no pool: ``evict`` hands the pages back to the caller.
     """
 
-    def __init__(self, shape: MoEShape, page_pool: UnifiedPagePool, ranking: ExpertRanking,
-                 offload_limit: int) -> None:
+    def __init__(self, shape: MoEShape, ranking: ExpertRanking, offload_limit: int,
+                 resident: Mapping[int, Mapping[int, Sequence[int]]] | None = None) -> None:
+        """``resident``: a placement (``placement()`` of another residency, plain
+        data) to start from; without it nothing is resident until ``place_*``."""
         if isinstance(offload_limit, bool) or not isinstance(offload_limit, int) or not (
                 0 <= offload_limit <= shape.num_experts):
             raise ValueError(f"--rimuru-expert-offload-limit must be in [0, {shape.num_experts}] "
                              f"(experts per layer), got {offload_limit!r}")
-        page_bytes = page_pool.geometry.expert_page_bytes
-        if page_bytes < shape.expert_page_bytes:
-            raise ValueError(f"the pool's expert page ({page_bytes} B) is smaller than one expert "
-                             f"matrix ({shape.expert_page_bytes} B)")
         ranking.check_fits(shape)
         self.shape = shape
-        self.page_pool = page_pool
         self.ranking = ranking
         self.offload_limit = offload_limit
         self._pages: dict[int, dict[int, tuple[int, int, int]]] = {l: {} for l in shape.layer_ids}
+        self._holder: dict[int, tuple[int, int]] = {}
         self._version: dict[int, int] = {l: 0 for l in shape.layer_ids}
         self._placed = False
+        if resident is not None:
+            self._start_from(resident)
+
+    def _start_from(self, resident: Mapping[int, Mapping[int, Sequence[int]]]) -> None:
+        if set(resident) != set(self.shape.layer_ids):
+            raise ValueError(f"placement covers layers {sorted(resident)}, the model's MoE layers "
+                             f"are {list(self.shape.layer_ids)}")
+        for layer in self.shape.layer_ids:
+            experts = resident[layer]
+            if self.shape.num_experts - len(experts) > self.offload_limit:
+                raise ValueError(f"placement of layer {layer} offloads "
+                                 f"{self.shape.num_experts - len(experts)} experts, more than "
+                                 f"--rimuru-expert-offload-limit={self.offload_limit}")
+            for expert, pages in experts.items():
+                self._put(layer, expert, pages, "placement")
+            self._version[layer] += 1
+        self._placed = True
+
+    def placement(self) -> dict[int, dict[int, tuple[int, int, int]]]:
+        """``{layer: {expert: (W1, W3, W2) pages}}`` of every resident expert: plain,
+        freshly built data (what the other side of the order protocol starts from)."""
+        return {l: dict(p) for l, p in self._pages.items()}
 
     # ================================================================ placement
 
-    def place_initial(self, resident_per_layer: int) -> None:
+    def place_initial(self, page_pool: UnifiedPagePool, resident_per_layer: int) -> None:
         """Allocate pages for the ``resident_per_layer`` hottest experts of every layer."""
         e, limit = self.shape.num_experts, self.offload_limit
         if isinstance(resident_per_layer, bool) or not isinstance(resident_per_layer, int):
@@ -79,11 +109,12 @@ class ExpertResidency:
                 f"{e - resident_per_layer} experts per layer, more than "
                 f"--rimuru-expert-offload-limit={limit}; keep at least {e - limit} resident "
                 f"or raise the limit")
-        self.place_all_but([(l, x) for l in self.shape.layer_ids
-                            for x in self.ranking.order(l)[resident_per_layer:]])
+        self.place_all_but(page_pool, [(l, x) for l in self.shape.layer_ids
+                                       for x in self.ranking.order(l)[resident_per_layer:]])
 
-    def place_all_but(self, offloaded: Collection[tuple[int, int]]) -> None:
-        """Allocate pages for every expert except ``offloaded`` (``(layer, expert)`` pairs).
+    def place_all_but(self, page_pool: UnifiedPagePool, offloaded: Collection[tuple[int, int]]) -> None:
+        """Allocate pages from ``page_pool`` for every expert except ``offloaded``
+        (``(layer, expert)`` pairs), owned by ``expert_owners``.
 
         Layers in forward order, experts in ranking order, each expert's three
         pages in one all-or-nothing allocation. No layer may leave out more than
@@ -92,6 +123,10 @@ class ExpertResidency:
         """
         if self._placed:
             raise RuntimeError("place_initial already ran")
+        page_bytes = page_pool.geometry.expert_page_bytes
+        if page_bytes < self.shape.expert_page_bytes:
+            raise ValueError(f"the pool's expert page ({page_bytes} B) is smaller than one expert "
+                             f"matrix ({self.shape.expert_page_bytes} B)")
         out = set(offloaded)
         for l, x in out:
             self._layer(l)
@@ -102,20 +137,20 @@ class ExpertResidency:
             raise ValueError(f"offloading {over} experts per layer is more than "
                              f"--rimuru-expert-offload-limit={self.offload_limit}")
         need = 3 * (self.shape.num_experts * self.shape.num_layers - len(out))
-        free = self.page_pool.free_expert_page_count()
+        free = page_pool.free_expert_page_count()
         if need > free:
             raise NotEnoughPagesError(
                 f"keeping {need // 3} experts resident over {self.shape.num_layers} MoE layers needs "
-                f"{need} expert pages ({need * self.page_pool.geometry.expert_page_bytes} B), the pool has "
+                f"{need} expert pages ({need * page_bytes} B), the pool has "
                 f"{free} free; lower --rimuru-resident-experts or give the pool more memory")
         for layer in self.shape.layer_ids:
             for expert in self.ranking.order(layer):
                 if (layer, expert) in out:
                     continue
-                pages = self.page_pool.alloc_expert_pages(3, expert_owners(layer, expert))
+                pages = page_pool.alloc_expert_pages(3, expert_owners(layer, expert))
                 if pages is None:  # cannot happen after the check above
                     raise NotEnoughPagesError(f"pool ran out placing layer {layer} expert {expert}")
-                self._pages[layer][expert] = (pages[0], pages[1], pages[2])
+                self._put(layer, expert, pages, "place")
             self._version[layer] += 1
         self._placed = True
 
@@ -157,33 +192,18 @@ class ExpertResidency:
         """A copy of ``{expert: pages}`` for ``layer``."""
         return dict(self._layer(layer))
 
-    # ================================================================ nominations
-
-    def eviction_candidate(self, layer: int) -> int | None:
-        """Lowest-ranked resident expert; ``None`` at the offload limit or with none resident."""
-        if self.num_offloaded(layer) >= self.offload_limit:
-            return None
-        res = self._layer(layer)
-        for e in reversed(self.ranking.order(layer)):
-            if e in res:
-                return e
-        return None
-
-    def restore_candidate(self, layer: int) -> int | None:
-        """Highest-ranked expert not resident; ``None`` when all are resident."""
-        res = self._layer(layer)
-        for e in self.ranking.order(layer):
-            if e not in res:
-                return e
-        return None
+    def holder(self, page: int) -> tuple[int, int] | None:
+        """``(layer, expert)`` of the resident expert on expert page ``page``, else ``None``."""
+        return self._holder.get(page)
 
     # ================================================================ mutations
 
     def evict(self, layer: int, expert: int) -> tuple[int, int, int]:
         """Mark ``expert`` offloaded and return its pages, NOT freed.
 
-        The caller frees them (``page_pool.free_expert_pages``) only after the
-        forward pass that may still read them has finished.
+        The pool's owner frees them (``page_pool.free_expert_pages``) only after
+        the forward pass that may still read them is over: in elastic mode when
+        the worker acknowledged the order (``Adjuster.complete``).
         """
         self.shape.check_expert(expert)
         res = self._layer(layer)
@@ -194,29 +214,44 @@ class ExpertResidency:
                 f"evict: layer {layer} already has {self.num_offloaded(layer)} experts offloaded "
                 f"(--rimuru-expert-offload-limit={self.offload_limit})")
         pages = res.pop(expert)
+        for p in pages:
+            del self._holder[p]
         self._version[layer] += 1
         return pages
 
-    def admit(self, layer: int, expert: int, pages: tuple[int, int, int]) -> None:
-        """Mark ``expert`` resident on ``pages`` (W1, W3, W2), already allocated by the caller
-        with owners ``expert_owners(layer, expert)`` and already holding its weights."""
+    def admit(self, layer: int, expert: int, pages: Sequence[int]) -> None:
+        """Mark ``expert`` resident on ``pages`` (W1, W3, W2): pages its pool owner
+        allocated for it (``expert_owners(layer, expert)``) and that already hold
+        its weights.  Refused (``ValueError``, nothing changed) when the expert is
+        resident or a page holds another resident expert."""
         self.shape.check_expert(expert)
         res = self._layer(layer)
         if expert in res:
             raise ValueError(f"admit: layer {layer} expert {expert} is already resident "
                              f"on pages {res[expert]}")
-        pages = tuple(int(p) for p in pages)
-        if len(pages) != 3:
-            raise ValueError(f"admit: need 3 pages (W1, W3, W2), got {pages}")
-        owners = self.page_pool.expert_page_owners()
-        for p, want in zip(pages, expert_owners(layer, expert)):
-            if owners.get(p) != want:
-                raise ValueError(f"admit: page {p} is owned by {owners.get(p)!r} in the pool, "
-                                 f"expected {want!r}")
-        res[expert] = pages  # type: ignore[assignment]
+        self._put(layer, expert, pages, "admit")
         self._version[layer] += 1
 
     # ================================================================ internals
+
+    def _put(self, layer: int, expert: int, pages: Sequence[int], what: str) -> None:
+        """Record ``expert`` of ``layer`` on ``pages``, checked first (nothing changes on an error)."""
+        self._layer(layer)
+        self.shape.check_expert(expert)
+        pages = tuple(int(p) for p in pages)
+        if len(pages) != 3 or len(set(pages)) != 3 or min(pages) < 0:
+            raise ValueError(f"{what}: layer {layer} expert {expert} needs 3 distinct expert pages "
+                             f"(W1, W3, W2), got {pages}")
+        if expert in self._pages[layer]:
+            raise ValueError(f"{what}: layer {layer} expert {expert} is placed twice")
+        for p in pages:
+            if p in self._holder:
+                l2, e2 = self._holder[p]
+                raise ValueError(f"{what}: page {p} of layer {layer} expert {expert} holds layer "
+                                 f"{l2} expert {e2}")
+        self._pages[layer][expert] = pages  # type: ignore[assignment]
+        for p in pages:
+            self._holder[p] = (layer, expert)
 
     def _layer(self, layer: int) -> dict[int, tuple[int, int, int]]:
         try:

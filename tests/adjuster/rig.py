@@ -20,12 +20,15 @@ pool, lowest pages first::
     layer 2  0:(36,37,38) 1:(39,40,41) ...                                    5:(51,52,53)
     free     54 ..
 
-``make_worker(rig)`` adds the TP worker's side on top (for the controller
-tests): a CPU ``PoolBuffer``, a ``HostExpertStore`` with seeded random weights,
-the two load buffers (``2 * limit * 3`` pages, taken next: 54..77 with the
-default limit 4) and an ``ExpertManager`` that has copied every resident
-expert into its pages.  With ``make_rig(pages=84)`` the free pages are
-78..83, the same F_b = 6 as ``make_rig(pages=60)`` without a worker.
+``rig.residency`` is the scheduler side's (the adjuster's view).
+``make_worker(rig)`` adds the TP worker's side as ``RimuruRuntime.build``
+does, from plain page ids and never from the scheduler's objects: the two
+load buffers (``2 * limit * 3`` pages, taken from the pool next: 54..77 with
+the default limit 4), the worker's own ``ExpertResidency`` built from
+``rig.residency.placement()``, a CPU ``PoolBuffer``, a ``HostExpertStore``
+with seeded random weights and an ``ExpertManager`` that has copied every
+resident expert into its pages.  With ``make_rig(pages=84)`` the free pages
+are 78..83, the same F_b = 6 as ``make_rig(pages=60)`` without a worker.
 """
 
 from __future__ import annotations
@@ -71,8 +74,8 @@ def make_rig(pages: int = 60, limit: int = 4, resident: int = 6) -> Rig:
                        kv_page_bytes=KV_PAGE)
     pool = UnifiedPagePool(geo)
     ranking = ExpertRanking(8, ORDERS, PROBS)
-    residency = ExpertResidency(shape, pool, ranking, limit)
-    residency.place_initial(resident)
+    residency = ExpertResidency(shape, ranking, limit)
+    residency.place_initial(pool, resident)
     return Rig(shape, pool, ranking, residency)
 
 
@@ -81,11 +84,16 @@ class Worker:
     buffer: PoolBuffer
     host: HostExpertStore
     buffers: LoadBuffers
+    residency: ExpertResidency  # the worker's own: the residency as applied
     manager: ExpertManager
 
 
 def make_worker(rig: Rig, seed: int = 0) -> Worker:
     shape = rig.shape
+    taken = LoadBuffers(shape, rig.pool, rig.residency.offload_limit)  # the pool's owner takes them
+    buffers = LoadBuffers.of_pages(shape, taken.slots, taken.all_pages())
+    residency = ExpertResidency(shape, rig.ranking, rig.residency.offload_limit,
+                                resident=rig.residency.placement())
     buffer = PoolBuffer(rig.pool.geometry, "cpu", zero=True)
     host = HostExpertStore(shape, pin_memory=False)
     g = torch.Generator().manual_seed(seed)
@@ -93,10 +101,9 @@ def make_worker(rig: Rig, seed: int = 0) -> Worker:
         e, i, h = shape.num_experts, shape.inter, shape.hidden
         host.put_fused(l, torch.randn(e, 2 * i, h, generator=g).to(shape.dtype),
                        torch.randn(e, h, i, generator=g).to(shape.dtype))
-    buffers = LoadBuffers(shape, rig.pool, rig.residency.offload_limit)
-    manager = ExpertManager(shape, buffer, rig.residency, host, buffers, None, "cpu")
+    manager = ExpertManager(shape, buffer, residency, host, buffers, None, "cpu")
     manager.upload_resident()
-    return Worker(buffer, host, buffers, manager)
+    return Worker(buffer, host, buffers, residency, manager)
 
 
 def expert_page_holds(rig: Rig, worker: Worker, page: int, layer: int, expert: int, m: int) -> bool:

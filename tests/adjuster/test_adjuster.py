@@ -224,7 +224,9 @@ def test_constructor_checks() -> None:
                  rig.residency, rig.ranking)
     other = UnifiedPagePool(PoolGeometry(total_bytes=64 * 10, expert_page_bytes=64,
                                          kv_page_bytes=32))
-    with pytest.raises(ValueError, match="another page pool"):
+    # the adjuster's residency is its own view of its own pool: placed there, or refused
+    with pytest.raises(ValueError, match=r"the residency has layer 0 expert 3 on pages \(0, 1, 2\), which "
+                                         r"the adjuster's page pool does not hold for it"):
         Adjuster(AdjusterPolicy(), other, rig.residency, rig.ranking)
 
 

@@ -36,8 +36,8 @@ def elastic_ctl():
 
     rig = make_rig(pages=84)
     link = OrderLink()
-    yield ElasticController(Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking), link,
-                            OrderApplier(make_worker(rig).manager, link), check_invariants=True)
+    yield ElasticController(Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking), link.scheduler,
+                            OrderApplier(make_worker(rig).manager, link.worker), check_invariants=True)
     link.close()
 
 
@@ -156,8 +156,8 @@ def _run_rank(rank: int, store: str) -> list:
     rig = make_rig(pages=84)
     worker = make_worker(rig)
     link = OrderLink()
-    ctl = ElasticController(Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking), link,
-                            OrderApplier(worker.manager, link), check_invariants=True)
+    ctl = ElasticController(Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking), link.scheduler,
+                            OrderApplier(worker.manager, link.worker), check_invariants=True)
     ctl.agreement = tp_agreement(types.SimpleNamespace(world_size=2, rank_in_group=rank, cpu_group=group))
     log = []
     try:

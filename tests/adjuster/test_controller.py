@@ -1,6 +1,8 @@
-"""``ElasticController`` end to end on CPU: the real ``Adjuster`` over the rig's pool
-and residency, a real ``OrderLink`` and an ``OrderApplier`` over a real
-``ExpertManager`` (``make_worker``).
+"""``ElasticController`` end to end on CPU: the scheduler side (the real ``Adjuster``
+over the rig's pool and residency, the link's scheduler end) and the worker side
+(an ``OrderApplier`` over a real ``ExpertManager`` with its own residency,
+``make_worker``; the link's worker end), joined by a real ``OrderLink``.
+``e.res`` is the scheduler's view, ``e.worker.residency`` the worker's.
 
 Page map (rig.py): experts 0..53, load buffers 54..77, free 78.. (``pages=84``:
 78..83, F_b = 6, 12 KV pages; 2 KV pages per expert page).  Victims of the
@@ -41,6 +43,7 @@ class Elastic:
     rig: Rig
     worker: Worker
     link: OrderLink
+    applier: OrderApplier
     ctl: ElasticController
 
     @property
@@ -62,7 +65,8 @@ def elastic():
         link = OrderLink()
         adj = Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking)
         kw.setdefault("check_invariants", True)
-        made.append(Elastic(rig, w, link, ElasticController(adj, link, OrderApplier(w.manager, link), **kw)))
+        applier = OrderApplier(w.manager, link.worker)
+        made.append(Elastic(rig, w, link, applier, ElasticController(adj, link.scheduler, applier, **kw)))
         return made[-1]
 
     yield new
@@ -93,8 +97,14 @@ def holds(e: Elastic, layer: int, expert: int, pages) -> bool:
 
 
 def all_resident_hold_their_weights(e: Elastic) -> bool:
-    return all(holds(e, l, x, pages) for l in e.res.shape.layer_ids
-               for x, pages in e.res.resident_pages(l).items())
+    res = e.worker.residency
+    return all(holds(e, l, x, pages) for l in res.shape.layer_ids
+               for x, pages in res.resident_pages(l).items())
+
+
+def views_agree(e: Elastic) -> bool:
+    """The scheduler's view and the worker's residency as applied: same experts, same pages."""
+    return e.res.placement() == e.worker.residency.placement()
 
 
 def round_lines(caplog) -> list[str]:
@@ -125,7 +135,7 @@ def test_demand_evicts_and_pages_free_only_after_the_forward_pass(elastic, caplo
     assert (ctl.freed, changes, round_lines(caplog)) == (False, [], [])
 
     ctl.before_forward()  # the worker takes it; the pass may still read the victims
-    assert ctl.applier.pending == (first,)
+    assert e.applier.pending == (first,)
     assert free_pages(pool) == [78, 79, 80, 81, 82, 83] and not ctl.freed
     assert all(holds(e, m.layer, m.expert, m.pages) for m in SHORT7)
     assert e.worker.manager.table(0)[2].tolist() == [15, 16, 17]
@@ -135,7 +145,8 @@ def test_demand_evicts_and_pages_free_only_after_the_forward_pass(elastic, caplo
     assert resident_sets(e.res) == {0: [3, 1, 4, 0, 5], 1: [7, 6, 5, 4], 2: [0, 1, 2, 3, 4, 5]}
     assert ctl.freed is True
     assert changes == [[first]]
-    assert ctl.adjuster.in_flight == () and ctl.applier.pending == ()
+    assert ctl.adjuster.in_flight == () and e.applier.pending == ()
+    assert views_agree(e) and e.worker.residency is not e.res
     assert round_lines(caplog) == [
         "sglang-rimuru round 0 (order 1, kv_short: R_b=7 F_b=6 in_flight_pages=0): experts out "
         "[L0E2, L1E2, L1E3] in [-]; resident 15/24; pool expert pages: experts 45, load buffers "
@@ -169,8 +180,9 @@ def test_without_a_forward_pass_the_order_is_applied_at_once(elastic) -> None:
     assert sent == order(1, 0, evict=SHORT7, reason="kv_short: R_b=7 F_b=6 in_flight_pages=0")
     assert free_pages(e.pool) == [15, 16, 17, 30, 31, 32, 33, 34, 35, 78, 79, 80, 81, 82, 83]
     assert e.ctl.freed and changes == [[sent]]
-    assert e.ctl.adjuster.in_flight == () and e.ctl.applier.pending == ()
-    assert e.link.recv_orders() == [] and e.link.recv_acks() == []  # nothing left on the link
+    assert e.ctl.adjuster.in_flight == () and e.applier.pending == ()
+    assert e.link.worker.recv_orders() == [] and e.link.scheduler.recv_acks() == []  # nothing left
+    assert views_agree(e)
 
 
 def test_an_order_whose_pass_never_ran_is_applied_by_the_next_round(elastic) -> None:
@@ -288,7 +300,7 @@ def test_worker_refused_order_is_aborted_and_serving_continues(elastic, caplog) 
     changes = []
     ctl.on_change = changes.append
     # the worker already took a seq 1 (say, from a scheduler that was restarted)
-    ctl.applier.sequencer.accept(order(1, 0))
+    e.applier.sequencer.accept(order(1, 0))
     restore = (ExpertMove(2, 6, (78, 79, 80)), ExpertMove(2, 7, (81, 82, 83)),
                ExpertMove(0, 7, (84, 85, 86)))
     with caplog.at_level(logging.INFO):
@@ -301,8 +313,8 @@ def test_worker_refused_order_is_aborted_and_serving_continues(elastic, caplog) 
     assert free_pages(e.pool) == list(range(78, 96))
     assert resident_sets(e.res) == {0: [3, 1, 4, 0, 5, 2], 1: [7, 6, 5, 4, 3, 2],
                                     2: [0, 1, 2, 3, 4, 5]}
-    assert ctl.adjuster.in_flight == () and ctl.applier.pending == ()
-    assert changes == [] and not ctl.freed
+    assert ctl.adjuster.in_flight == () and e.applier.pending == ()
+    assert changes == [] and not ctl.freed and views_agree(e)
     s = ctl.snapshot()
     assert (s["orders_aborted"], s["refused_orders"], s["orders_completed"], s["restores"]) == (1, 1, 0, 0)
     [worker_err] = [r.getMessage() for r in caplog.records if r.name == APPLIER_LOG]
@@ -329,7 +341,7 @@ def test_worker_refused_order_is_aborted_and_serving_continues(elastic, caplog) 
 
 def test_an_ack_for_no_order_in_flight_is_counted_and_ignored(elastic, caplog) -> None:
     e = elastic()
-    e.link.send_order(b"junk")  # not from the controller: the worker refuses it, seq unknown
+    e.link.scheduler.send_order(b"junk")  # not from the controller: the worker refuses it, seq unknown
     with caplog.at_level(logging.WARNING, logger=CTL_LOG):
         assert e.ctl.round(forward_follows=False) is None  # settles first
     assert [r.getMessage() for r in caplog.records if r.name == CTL_LOG] == [
@@ -362,7 +374,7 @@ def test_trace_has_one_line_per_completed_order(elastic, tmp_path, caplog) -> No
         ctl.round(forward_follows=False, waiting=0)  # restores (2, 6), (2, 7)
         ctl.round(forward_follows=False)  # hold: no line
         # an aborted order writes no line
-        ctl.applier.sequencer.accept(order(3, 0))
+        e.applier.sequencer.accept(order(3, 0))
         e.pool.free_expert_pages(e.res.evict(2, 0))  # 3 more free pages: F_b 12, restore 1
         assert ctl.round(forward_follows=False).seq == 3
         assert ctl.snapshot()["orders_aborted"] == 1
@@ -463,6 +475,7 @@ def test_random_rounds_keep_the_invariants(elastic, seed) -> None:
     for _ in range(300):
         sim.step(log)
         assert all(e.res.num_offloaded(l) <= 4 for l in (0, 1, 2))
+        assert views_agree(e)  # every order taken was acknowledged and completed
         e.ctl.adjuster.check_invariants()
         assert all_resident_hold_their_weights(e)  # restores copied right, KV wrote elsewhere
         assert sim.kv_intact()  # no restore copied into a KV page

@@ -19,9 +19,9 @@ def rig():
     return make_rig()
 
 
-def test_first_nominations_are_the_residencys(rig) -> None:
-    assert [rig.residency.eviction_candidate(l) for l in (0, 1, 2)] == [2, 2, 5]
-    assert [rig.residency.restore_candidate(l) for l in (0, 1, 2)] == [7, 1, 6]
+def test_first_picks(rig) -> None:
+    # each layer's first nominations: victims 2, 2, 5 (lowest-ranked resident),
+    # restores 7, 1, 6 (highest-ranked offloaded); the best over the layers wins
     assert pick_victims(rig.residency, rig.ranking, 1) == [(0, 2)]
     assert pick_restores(rig.residency, rig.ranking, 1) == [(2, 6)]
 
@@ -50,7 +50,6 @@ def test_layer_at_offload_limit_never_gives_up_experts(rig) -> None:
     for e in (5, 4):  # layer 2 to its limit: 4 offloaded
         rig.pool.free_expert_pages(rig.residency.evict(2, e))
     assert rig.residency.num_offloaded(2) == 4
-    assert rig.residency.eviction_candidate(2) is None
     assert pick_victims(rig.residency, rig.ranking, 100) == [(0, 2), (1, 2), (1, 3), (0, 5)]
     # the limit holds in a deeper setting too: limit 3 with 5 resident, every layer at it
     full = make_rig(limit=3, resident=5)
@@ -90,8 +89,8 @@ def _uniform_rig(layers=(0, 1, 2, 3), experts=8, limit=4):
     pages = 3 * experts * len(layers) + 12
     pool = UnifiedPagePool(PoolGeometry(total_bytes=pages * 64, expert_page_bytes=64, kv_page_bytes=32))
     ranking = ExpertRanking.default(shape)
-    residency = ExpertResidency(shape, pool, ranking, limit)
-    residency.place_initial(experts)
+    residency = ExpertResidency(shape, ranking, limit)
+    residency.place_initial(pool, experts)
     return pool, ranking, residency
 
 

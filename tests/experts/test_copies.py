@@ -98,18 +98,18 @@ def expected_pool(rig, before: torch.Tensor, placed: dict[tuple[int, int], tuple
 
 def test_load_buffer_slots_and_resident_experts_get_consecutive_pages() -> None:
     # production order (rimuru_patches.unified_pool.runtime): the dummy KV page, then
-    # placement, then the load buffers -- every expert and every slot on p, p+1, p+2
+    # the load buffers, then placement -- every slot and every expert on p, p+1, p+2
     for shape, limit, resident in ((tiny_shape(), 3, 5), (tiny_shape(layer_ids=(1, 3, 5), E=6), 4, 2)):
         _, pool = make_pool(shape, 80)
         assert pool.alloc_kv_pages(1, "dummy") == [0]
-        residency = ExpertResidency(shape, pool, ExpertRanking.default(shape), limit)
-        residency.place_initial(resident)
+        residency = ExpertResidency(shape, ExpertRanking.default(shape), limit)
         lb = LoadBuffers(shape, pool, limit)
+        residency.place_initial(pool, resident)
         experts = [pages for l in shape.layer_ids for pages in residency.resident_pages(l).values()]
         slots = [lb.pages(b, s) for b in range(2) for s in range(limit)]
         assert all(page_runs(p) == [(0, 3, p[0])] for p in experts + slots)
-        n = len(experts)
-        assert [p[0] for p in slots] == [1 + 3 * (n + i) for i in range(2 * limit)]
+        assert [p[0] for p in slots] == [1 + 3 * i for i in range(2 * limit)]
+        assert [p[0] for p in experts] == [1 + 3 * (2 * limit + i) for i in range(len(experts))]
     # also after holes and a KV page ahead of them (the rig's fragmented pool)
     rig = make_rig(fragment=True)
     assert [rig.buffers.pages(b, s) for b in range(2) for s in range(3)] == \
@@ -141,10 +141,9 @@ def test_partly_consecutive_pages_are_split_into_runs(host_copies) -> None:
     m = rig.manager
     before = m.pool_flat.clone()
     copies = host_copies(rig)
-    m.upload_expert(1, 2, (50, 51, 60))
-    m.upload_expert(1, 0, (57, 56, 55))
-    m.upload_expert(0, 6, (48, 61, 62))
-    m.start_uploads([(0, 7, (52, 54, 58))])
+    # restores of migration orders (pages as the pool reserved them): one copy per run
+    m.start_uploads([(1, 2, (50, 51, 60)), (1, 0, (57, 56, 55))])
+    m.start_uploads([(0, 6, (48, 61, 62)), (0, 7, (52, 54, 58))])
     m.wait_uploads()
     assert copies() == [(1, 2, 0, 50, 2), (1, 2, 2, 60, 1),
                         (1, 0, 0, 57, 1), (1, 0, 1, 56, 1), (1, 0, 2, 55, 1),

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_rimuru.experts import BufferContent, ExpertManager, ExpertStats
+from sglang_rimuru.experts import BufferContent, ExpertManager, ExpertStats, LoadBuffers
+from sglang_rimuru.pool import PoolBuffer, PoolGeometry
 
 from .rig import host_row, make_rig, page_holds, rows, tiny_shape
 
@@ -152,17 +153,22 @@ def test_eviction_reaches_the_table_after_the_forward_pass() -> None:
     t0 = m.prepare_layer(0, ids((5, 3)))
     assert rows(t0)[5] == rig.buffers.pages(0, 0) and m.stats().on_demand_loads == 1
     m.end_forward()
-    # restore expert 5 into fresh pages: copy, admit, next forward sees it
+    # restore expert 5 into fresh pages as an order does: the copy starts with a pass,
+    # lands, then the residency admits it; the next forward's table points there
     from sglang_rimuru.experts import expert_owners
 
     new = rig.pool.alloc_expert_pages(3, expert_owners(0, 5))
-    m.upload_expert(0, 5, new)
+    m.begin_forward()
+    m.start_uploads([(0, 5, tuple(new))])
+    m.end_forward()
+    assert rows(m.table(0)).get(5) is None  # not before the admit
+    m.wait_uploads()
     r.admit(0, 5, tuple(new))
     m.begin_forward()
     assert rows(m.table(0))[5] == tuple(new)
     assert all(page_holds(rig, p, 0, 5, k) for k, p in enumerate(new))
     assert 5 not in m.prepare_layer(0, ids((5, 3))).tolist()[0]  # no load
-    assert m.stats().on_demand_loads == 1
+    assert m.stats().on_demand_loads == 1 and m.stats().restored == 1
 
 
 def test_manager_construction_checks() -> None:
@@ -175,6 +181,17 @@ def test_manager_construction_checks() -> None:
     small = type(rig.buffers)(rig.shape, rig.pool, 2)
     with pytest.raises(ValueError, match="2 slots, fewer than the offload limit 3"):
         ExpertManager(rig.shape, rig.buffer, rig.residency, rig.host, small, None, "cpu")
+    # the manager has no pool to ask: its page ids must at least be distinct and in the pool
+    on_experts = LoadBuffers.of_pages(rig.shape, 3, list(range(12, 30)))  # 12..14: layer 0 expert 5
+    beyond = LoadBuffers.of_pages(rig.shape, 3, list(range(50, 68)))  # a 64-page pool
+    for bad in (on_experts, beyond):
+        with pytest.raises(ValueError, match="resident experts and load buffers must be on distinct pages "
+                                             "of the pool's 64 expert pages"):
+            ExpertManager(rig.shape, rig.buffer, rig.residency, rig.host, bad, None, "cpu")
+    with pytest.raises(ValueError, match=r"the pool's expert page \(32 B\) is smaller than one expert matrix"):
+        ExpertManager(rig.shape, PoolBuffer(PoolGeometry(total_bytes=64 * 32, expert_page_bytes=32,
+                                                         kv_page_bytes=16), "cpu"),
+                      rig.residency, rig.host, rig.buffers, None, "cpu")
     m = ExpertManager(*args, None, "cpu")
     m.begin_forward()
     m.prefetch_next(0, tokens({2: 1}))  # no gates: no prefetch
@@ -232,7 +249,8 @@ def test_home_table_changes_in_place_across_eviction_and_restore() -> None:
     assert torch.equal(m.compute_cpu(0, x, w, ids, home), before)  # read from the host, same output
 
     new = tuple(rig.pool.alloc_expert_pages(3, expert_owners(0, 5)))
-    m.upload_expert(0, 5, new)
+    m.start_uploads([(0, 5, new)])  # the order's restore, between passes
+    m.wait_uploads()
     r.admit(0, 5, new)
     m.begin_forward()
     assert m.table(0) is home and home.data_ptr() == address and home[5].tolist() == list(new)

@@ -48,9 +48,14 @@ def test_load_buffer_page_ids_and_alternation() -> None:
     assert [three.buffer_of_layer(l) for l in (1, 3, 5)] == [0, 1, 0]
     with pytest.raises(ValueError, match=r"load buffer \(1, 3\) out of range"):
         lb.pages(1, 3)
-    lb.release()
-    assert rig.pool.stats().other_expert_pages == 0
+    assert rig.pool.stats().other_expert_pages == 18  # owned for the server's life
     assert LoadBuffers(rig.shape, rig.pool, 0).all_pages() == []
+    # the worker's copy: the same page ids, no pool
+    copy = LoadBuffers.of_pages(rig.shape, 3, lb.all_pages())
+    assert [copy.pages(b, s) for b in range(2) for s in range(3)] == [lb.pages(b, s) for b in range(2) for s in range(3)]
+    assert not hasattr(copy, "page_pool") and not hasattr(lb, "page_pool")
+    with pytest.raises(ValueError, match="need 18 distinct pages"):
+        LoadBuffers.of_pages(rig.shape, 3, lb.all_pages()[:-1] + [30])
 
 
 def test_offload_limit_and_resident_count_errors_name_the_flags() -> None:
@@ -58,28 +63,37 @@ def test_offload_limit_and_resident_count_errors_name_the_flags() -> None:
     _, pool = make_pool(shape, 64)
     rank = ExpertRanking.default(shape)
     with pytest.raises(ValueError, match="--rimuru-expert-offload-limit must be in"):
-        ExpertResidency(shape, pool, rank, 9)
-    r = ExpertResidency(shape, pool, rank, 3)
+        ExpertResidency(shape, rank, 9)
+    r = ExpertResidency(shape, rank, 3)
     with pytest.raises(ValueError, match=r"--rimuru-resident-experts=4 would offload 4 experts per "
                                          r"layer, more than --rimuru-expert-offload-limit=3"):
-        r.place_initial(4)
+        r.place_initial(pool, 4)
     with pytest.raises(ValueError, match="--rimuru-resident-experts=9 is more than the 8"):
-        r.place_initial(9)
+        r.place_initial(pool, 9)
     assert pool.stats().expert_pages == 0
-    r.place_initial(8)  # nothing offloaded is fine
+    r.place_initial(pool, 8)  # nothing offloaded is fine
     assert r.offloaded(0) == [] and r.num_resident() == 16
     with pytest.raises(RuntimeError, match="already ran"):
-        r.place_initial(8)
+        r.place_initial(pool, 8)
     with pytest.raises(RankingError, match=r"missing MoE layer\(s\) \[1\]"):
-        ExpertResidency(shape, pool, ExpertRanking(8, {0: range(8)}, {0: [0.1] * 8}), 3)
+        ExpertResidency(shape, ExpertRanking(8, {0: range(8)}, {0: [0.1] * 8}), 3)
+
+
+def test_pages_too_small_for_a_matrix_are_refused_at_placement() -> None:
+    shape = tiny_shape()
+    _, pool = make_pool(shape, 64, kv_page_bytes=16, page_bytes=32)  # a matrix is 64 B
+    r = ExpertResidency(shape, ExpertRanking.default(shape), 3)
+    with pytest.raises(ValueError, match=r"the pool's expert page \(32 B\) is smaller than one expert matrix \(64 B\)"):
+        r.place_initial(pool, 5)
+    assert pool.stats().expert_pages == 0
 
 
 def test_pool_too_small_changes_nothing() -> None:
     shape = tiny_shape()
     _, pool = make_pool(shape, 29)
-    r = ExpertResidency(shape, pool, ExpertRanking.default(shape), 3)
+    r = ExpertResidency(shape, ExpertRanking.default(shape), 3)
     with pytest.raises(NotEnoughPagesError, match="needs 30 expert pages .* the pool has 29 free"):
-        r.place_initial(5)
+        r.place_initial(pool, 5)
     assert pool.stats().free_expert_pages == 29 and r.num_resident() == 0
     _, small = make_pool(shape, 17)
     with pytest.raises(NotEnoughPagesError, match="load buffers .* need 18 expert pages"):
@@ -87,37 +101,59 @@ def test_pool_too_small_changes_nothing() -> None:
     assert small.stats().free_expert_pages == 17
 
 
-def test_nominations_evict_admit() -> None:
+def test_evict_admit() -> None:
     rig = make_rig(limit=4, resident=5)  # one more eviction allowed per layer
     r, pool = rig.residency, rig.pool
-    assert r.eviction_candidate(0) == 5 and r.restore_candidate(0) == 2
-    assert r.eviction_candidate(1) == 3 and r.restore_candidate(1) == 2
     v = r.version(0)
+    assert r.holder(12) == (0, 5) and r.holder(30) is None  # 30: a load-buffer page
     assert r.evict(0, 5) == (12, 13, 14)
     assert r.version(0) == v + 1
     assert pool.expert_page_owner(12) == ExpertKey(0, 5, "w1")  # not freed by evict
-    assert r.offloaded(0) == [5, 2, 7, 6] and r.pages(0, 5) is None
-    assert r.eviction_candidate(0) is None  # at the limit (4 offloaded)
+    assert r.offloaded(0) == [5, 2, 7, 6] and r.pages(0, 5) is None and r.holder(12) is None
     with pytest.raises(ValueError, match="already has 4 experts offloaded"):
         r.evict(0, 0)
     with pytest.raises(ValueError, match="not resident"):
         r.evict(1, 2)
-    assert r.restore_candidate(0) == 5
     pool.free_expert_pages([12, 13, 14])
-    # admit on pages the caller took with the right owners
+    # admit on pages the pool's owner took for it
     pages = pool.alloc_expert_pages(3, expert_owners(0, 2))
     assert pages == [12, 13, 14]
-    with pytest.raises(ValueError, match="page 12 is owned by ExpertKey"):
-        r.admit(0, 6, pages)
     r.admit(0, 2, pages)
-    assert r.pages(0, 2) == (12, 13, 14)
+    assert r.pages(0, 2) == (12, 13, 14) and r.holder(13) == (0, 2)
     assert r.resident(0) == [3, 1, 4, 0, 2] and r.offloaded(0) == [5, 7, 6]
-    assert r.eviction_candidate(0) == 2 and r.restore_candidate(0) == 5
     with pytest.raises(ValueError, match="already resident"):
         r.admit(0, 2, pages)
-    with pytest.raises(ValueError, match="owned by None"):
-        r.admit(0, 5, (60, 61, 62))
+    # no page holds two experts; nothing changes on a refusal
+    with pytest.raises(ValueError, match="page 13 of layer 1 expert 2 holds layer 0 expert 2"):
+        r.admit(1, 2, (60, 13, 61))
+    with pytest.raises(ValueError, match=r"needs 3 distinct expert pages \(W1, W3, W2\), got \(60, 60, 61\)"):
+        r.admit(0, 5, (60, 60, 61))
+    assert r.offloaded(1) == [2, 1, 0] and r.holder(60) is None
     pool.check_invariants()
+
+
+def test_a_residency_built_from_a_placement_is_its_own() -> None:
+    # The worker's residency starts from the scheduler's placement (plain data) and
+    # shares nothing with it: changing one leaves the other as it was.
+    rig = make_rig(limit=4, resident=5)
+    placement = rig.residency.placement()
+    assert placement == {0: LAYER0, 1: LAYER1}
+    worker = ExpertResidency(rig.shape, rig.ranking, 4, resident=placement)
+    assert {l: worker.resident_pages(l) for l in (0, 1)} == placement
+    assert worker.holder(29) == (1, 3) and worker.version(0) == 1
+    worker.evict(0, 5)
+    assert rig.residency.pages(0, 5) == (12, 13, 14) and worker.pages(0, 5) is None
+    placement[1].pop(7)  # the data given is not kept either
+    assert worker.pages(1, 7) == (15, 16, 17)
+    with pytest.raises(RuntimeError, match="already ran"):
+        worker.place_initial(rig.pool, 5)
+    with pytest.raises(ValueError, match=r"placement of layer 0 offloads 7 experts, more than "
+                                         r"--rimuru-expert-offload-limit=4"):
+        ExpertResidency(rig.shape, rig.ranking, 4, resident={0: {3: (0, 1, 2)}, 1: LAYER1})
+    with pytest.raises(ValueError, match=r"placement covers layers \[0\]"):
+        ExpertResidency(rig.shape, rig.ranking, 4, resident={0: LAYER0})
+    with pytest.raises(ValueError, match="page 2 of layer 1 expert 3 holds layer 0 expert 3"):
+        ExpertResidency(rig.shape, rig.ranking, 4, resident={0: LAYER0, 1: {**LAYER1, 3: (2, 40, 41)}})
 
 
 def test_host_store_put_and_views() -> None:
@@ -156,25 +192,25 @@ def test_host_store_put_and_views() -> None:
 def test_place_all_but_leaves_out_exactly_the_given_experts() -> None:
     shape = tiny_shape()
     _, pool = make_pool(shape, 64)
-    r = ExpertResidency(shape, pool, ExpertRanking.default(shape), offload_limit=3)
-    r.place_all_but({(0, 7), (1, 7), (0, 6)})  # (elastic start: chosen by pick_offloaded_at_start)
+    r = ExpertResidency(shape, ExpertRanking.default(shape), offload_limit=3)
+    r.place_all_but(pool, {(0, 7), (1, 7), (0, 6)})  # (elastic start: chosen by pick_offloaded_at_start)
     assert r.offloaded(0) == [6, 7] and r.offloaded(1) == [7]
     # forward order, ranking order, three pages each, lowest ids first
     assert r.resident_pages(0) == {e: (3 * e, 3 * e + 1, 3 * e + 2) for e in range(6)}
     assert r.pages(1, 0) == (18, 19, 20)
     pool.check_invariants()
     with pytest.raises(RuntimeError, match="already ran"):
-        r.place_all_but(set())
+        r.place_all_but(pool, set())
 
 
 def test_place_all_but_checks_the_limit_and_the_pool_before_allocating() -> None:
     shape = tiny_shape()
     _, pool = make_pool(shape, 40)  # 40 pages < 3 x 16 experts
-    r = ExpertResidency(shape, pool, ExpertRanking.default(shape), offload_limit=2)
+    r = ExpertResidency(shape, ExpertRanking.default(shape), offload_limit=2)
     with pytest.raises(ValueError, match=r"offloading \{0: 3\} experts per layer is more than --rimuru-expert-offload-limit=2"):
-        r.place_all_but({(0, 7), (0, 6), (0, 5)})
+        r.place_all_but(pool, {(0, 7), (0, 6), (0, 5)})
     with pytest.raises(NotEnoughPagesError, match="keeping 15 experts resident over 2 MoE layers needs 45 expert pages"):
-        r.place_all_but({(0, 7)})
+        r.place_all_but(pool, {(0, 7)})
     assert pool.free_expert_page_count() == 40  # nothing allocated
-    r.place_all_but({(0, 7), (1, 7), (0, 6), (1, 6)})
+    r.place_all_but(pool, {(0, 7), (1, 7), (0, 6), (1, 6)})
     assert r.num_resident() == 12

@@ -126,13 +126,13 @@ DESYNC_RANK1 = textwrap.dedent(
 
     _plan = _adjuster.Adjuster.plan_round
 
-    def plan_round(self, round_no, kv_pages_needed, *args):
+    def plan_round(self, round_no, kv_pages_needed, *args, **kwargs):
         import torch.distributed as dist
         if kv_pages_needed and dist.is_initialized() and dist.get_rank() == 1:
             print(f"[test shim] TP rank 1 round {round_no}: demand {kv_pages_needed} -> "
                   f"{2 * kv_pages_needed}", file=sys.stderr, flush=True)
             kv_pages_needed *= 2
-        return _plan(self, round_no, kv_pages_needed, *args)
+        return _plan(self, round_no, kv_pages_needed, *args, **kwargs)
 
     _adjuster.Adjuster.plan_round = plan_round
     """

@@ -61,9 +61,9 @@ def check(name: str, resident: int, limit: int) -> None:
     shape = facts.moe_shape()
     # one layer's residents are enough to put expert pages between KV pages
     one_layer = dataclasses.replace(shape, layer_ids=shape.layer_ids[:1])
-    residency = ExpertResidency(one_layer, pool, ExpertRanking.default(one_layer), limit)
+    residency = ExpertResidency(one_layer, ExpertRanking.default(one_layer), limit)
     LoadBuffers(one_layer, pool, slots=1)
-    residency.place_initial(resident)
+    residency.place_initial(pool, resident)
     expert_pages = sorted(p for pages in residency.resident_pages(one_layer.layer_ids[0]).values() for p in pages)
     g = torch.Generator().manual_seed(0)
     for p in expert_pages:

@@ -109,6 +109,8 @@ class RimuruRuntime:
         self.page_pool: UnifiedPagePool = page_pool
         self.buffer: PoolBuffer = buffer
         self.shape: MoEShape = shape
+        #: the scheduler side's residency: the pool's placement; in elastic mode the
+        #: adjuster's view, changed by the worker's acks (the worker's own is ``manager.residency``)
         self.residency: ExpertResidency = residency
         self.manager: ExpertManager = manager
         self.device = torch.device(device)
@@ -192,11 +194,16 @@ class RimuruRuntime:
         ranking = (
             load_ranking(config.expert_ranking, shape) if config.expert_ranking else ExpertRanking.default(shape)
         )
-        residency = ExpertResidency(shape, page_pool, ranking, plan.offload_limit)
+        # The pool's placement, and the scheduler side's view of it (the adjuster's in elastic mode)
+        residency = ExpertResidency(shape, ranking, plan.offload_limit)
         load_buffers = LoadBuffers(shape, page_pool, slots=plan.offload_limit)
         cls._place_residents(plan, config, shape, page_pool, ranking, residency)
         gates = {layer_id: gate for layer_id, (_, gate) in layers.items()}
-        manager = ExpertManager(shape, buffer, residency, host, load_buffers, gates, device)
+        # The TP worker's own residency and load buffers, built from plain page ids: the
+        # worker side shares no mutable object with the scheduler side (adjuster/README.md)
+        manager = ExpertManager(
+            shape, buffer, ExpertResidency(shape, ranking, plan.offload_limit, resident=residency.placement()),
+            host, LoadBuffers.of_pages(shape, load_buffers.slots, load_buffers.all_pages()), gates, device)
         kernel = "torch (CPU)"
         if device.type == "cuda":
             manager.kernel_hooks, kernel = cls.kernel_hooks(config, layers, shape, server_args, device)
@@ -251,7 +258,7 @@ class RimuruRuntime:
         adjuster chooses victims (least probable first, ties spread over layers)."""
         if plan.resident_per_layer is not None:
             try:
-                residency.place_initial(plan.resident_per_layer)
+                residency.place_initial(page_pool, plan.resident_per_layer)
             except NotEnoughPagesError as exc:
                 raise PlanError(str(exc)) from None
             return
@@ -259,7 +266,8 @@ class RimuruRuntime:
 
         total = plan.residents_at_start(page_pool.free_expert_page_count(), config.adjuster_evict_low_water)
         n_out = len(shape.layer_ids) * shape.num_experts - total
-        residency.place_all_but(pick_offloaded_at_start(shape.layer_ids, ranking, plan.offload_limit, n_out))
+        residency.place_all_but(page_pool, pick_offloaded_at_start(shape.layer_ids, ranking, plan.offload_limit,
+                                                                   n_out))
 
     @staticmethod
     def kernel_hooks(config: RimuruConfig, layers, shape: MoEShape, server_args,
@@ -334,10 +342,12 @@ class RimuruRuntime:
         trace = config.adjuster_trace
         if trace and tp_rank:
             trace = f"{trace}.tp{tp_rank}"
+        # scheduler side: the adjuster (pool, its residency view) and the link's scheduler end;
+        # worker side: the applier over the manager (its own residency, the tables) and the worker end
         return ElasticController(
             adjuster,
-            link,
-            OrderApplier(manager, link),
+            link.scheduler,
+            OrderApplier(manager, link.worker),
             trace_path=trace,
             check_invariants=os.environ.get("SGLANG_RIMURU_CHECK_INVARIANTS") == "1",
         )
