@@ -18,40 +18,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
 
 from rimuru_kernels import pack_contiguous_weights, paged_fused_moe
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from paged_rig import capture_graph  # noqa: E402  (the kernel bench's capture: warm-up on a side stream)
+
 SHAPES = {"qwen1.5-moe-a2.7b": (60, 2048, 1408, 4), "qwen3-30b-a3b": (128, 2048, 768, 8)}
 
 
-def graph_ms(fn, min_ms: float = 5.0) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
+def graph_ms(fn) -> float:
+    """Median ms of one replay of fn() captured in a CUDA graph (7 samples of 3 replays)."""
+    g = capture_graph(fn)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(7):
         a.record()
-        reps = 0
-        while True:
+        for _ in range(3):
             g.replay()
-            reps += 1
-            if reps >= 3:
-                break
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
+        times.append(a.elapsed_time(b) / 3)
     times.sort()
     return times[len(times) // 2]
 
