@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -338,3 +339,24 @@ def test_moe_kernel_exact_gives_the_kernel_sglang_functions(monkeypatch):
     with pytest.raises(RuntimeError, match="different routed_scaling_factor values"):
         RimuruRuntime.kernel_hooks(RimuruConfig(mode="static"), _moe_layers(None, 2.0), shape, args,
                                    torch.device("cuda"))
+
+
+def test_the_ledger_lists_exactly_the_registered_seams():
+    """patches/README.md's ledger and the registry are one list: every registered seam
+    has a row naming its target, and every row named like a seam is registered."""
+    import re
+
+    from rimuru_patches import all_seams, seams
+
+    all_seams.load()
+    ledger = (Path(__file__).parents[1] / "patches" / "README.md").read_text()
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([a-z0-9_]+\.[a-z0-9_.]+)` \| ([^|]*)\|", ledger, re.M)}
+    registered = {s.name: s.target for s in seams.REGISTRY}
+    # rows for SGLang functions the project calls without replacing anything
+    called_only = {name for name, row in rows.items() if name not in registered and "nothing replaced" in ledger.split(f"| `{name}` |")[1].split("\n")[0]}
+    assert sorted(set(rows) - called_only) == sorted(registered)
+    for name, target in registered.items():
+        module, _, attr = target.partition(":")
+        last = attr.split(".")[-1]
+        # the row names the target, in full or with SGLang's module path shortened by "…"
+        assert last in rows[name] and (module in rows[name] or "…" in rows[name]), (name, target, rows[name])
