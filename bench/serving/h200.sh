@@ -9,10 +9,12 @@ source bench/device/setup_device.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/models
 [ -d /tmp/models/q15 ] || tar xzf .devdata/models.tgz -C /tmp/models
 RATE=${RATE:-10}; NUM=${NUM:-500}; BUDGET=${BUDGET:-300}
+SKEW=${SKEW:-0}  # > 0: skewed dummy routers (bench/serving/skew); the run names get "-skew"
 one() {  # one NAME CARD_GB MODEL -- FLAGS...
     local name=$1 card=$2 model=$3; shift 4
+    [ "$SKEW" != 0 ] && name="$name-skew"
     timeout $(( BUDGET + 200 )) python3 bench/serving/run_one.py --name "$name" --model /tmp/models/$model \
-        --card-gb "$card" --rate "$RATE" --num-prompts "$NUM" --out "$OUT" --budget-s "$BUDGET" \
+        --card-gb "$card" --rate "$RATE" --num-prompts "$NUM" --out "$OUT" --budget-s "$BUDGET" --skew "$SKEW" \
         --dataset .devdata/sharegpt_1000_seed1_ctx8192.json.gz -- "$@" 2>&1 | grep -av "Warning\|warn(" | tail -3
 }
 for run in ${RUNS:-static32 elastic32}; do

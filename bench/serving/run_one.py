@@ -127,6 +127,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=420, help="stop the traffic after this long")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=160)
     ap.add_argument("--device-flags", default=" ".join(DEVICE_FLAGS))
+    ap.add_argument("--skew", type=float, default=0.0,
+                    help="skew the dummy routers: bias -s*log(1+rank) per layer (bench/serving/skew)")
     ap.add_argument("server_args", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     server_args = [a for a in args.server_args if a != "--"]
@@ -152,7 +154,12 @@ def main() -> None:
     sampler = GpuSampler()
     sampler.start()
     t_launch = time.time()
-    srv = start_local_server([*flags, *server_args], log_path, timeout=600)
+    env = None
+    if args.skew > 0:
+        path = os.environ.get("PYTHONPATH", "")
+        env = {"PYTHONPATH": f"{Path(__file__).parent / 'skew'}:{path}", "RIMURU_BENCH_ROUTER_SKEW": str(args.skew),
+               "RIMURU_BENCH_DEVICE_SITE": "1" if "bench/device/site" in path else "0"}
+    srv = start_local_server([*flags, *server_args], log_path, timeout=600, env=env)
     ready_s = time.time() - t_launch
     port = srv.url.rsplit(":", 1)[1]
     bench_out = out / f"{args.name}_bench.jsonl"
@@ -177,7 +184,7 @@ def main() -> None:
     srv.stop()
     result = json.loads(bench_out.read_text().splitlines()[-1]) if bench_out.exists() else {}
     res = {
-        "name": args.name, "server_args": server_args, "card_gib": args.card_gb,
+        "name": args.name, "server_args": server_args, "card_gib": args.card_gb, "router_skew": args.skew,
         "fraction": card_fraction(args.card_gb), "rate": args.rate, "num_prompts": args.num_prompts,
         "ready_s": round(ready_s, 1), "traffic_s": round(traffic_s, 1), "stopped_at_budget": stopped,
         "all_completed": result.get("completed") == args.num_prompts,

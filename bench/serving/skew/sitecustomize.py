@@ -1,0 +1,90 @@
+"""Benchmarks only: skewed expert routing for dummy-weight models (issue 12).
+
+Random (dummy) weights route almost uniformly: every expert is about as popular
+as every other, so no expert is cheap to offload. Real MoE routers are skewed.
+With ``RIMURU_BENCH_ROUTER_SKEW=s`` (s > 0) on the PYTHONPATH of a server (run_one.py
+``--skew s`` does both), every MoE layer's router logits get a fixed bias before
+SGLang picks the top-k::
+
+    bias[layer][e] = -s * log(1 + rank_layer(e))      rank: a seeded permutation per layer
+
+so that, with logits of random scale sigma, expert e is picked roughly in
+proportion to ``(1 + rank)^(-s/sigma)`` (a Zipf law; the measured popularity
+comes from ``python -m sglang_rimuru.rank`` against the skewed server and is what
+the benchmark reports, not this formula). The bias is a fixed tensor added on the
+device, so CUDA graphs capture it.
+
+Not part of the product: it changes the model. It installs itself through an
+import hook when SGLang imports ``sglang.srt.layers.moe.topk`` (after the
+project's own bootstrap), in every process that imports that module.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import math
+import os
+import sys
+
+TARGET = "sglang.srt.layers.moe.topk"
+SKEW = float(os.environ.get("RIMURU_BENCH_ROUTER_SKEW", "0") or 0)
+
+
+def _bias(layer_id: int, num_experts: int, device, dtype):
+    import torch
+
+    g = torch.Generator().manual_seed(1_000_003 * (layer_id + 1))
+    rank = torch.empty(num_experts, dtype=torch.long)
+    rank[torch.randperm(num_experts, generator=g)] = torch.arange(num_experts)
+    return (-SKEW * torch.log1p(rank.double())).to(device=device, dtype=dtype)
+
+
+def _patch(module) -> None:
+    topk_cls = module.TopK
+    original = topk_cls.forward
+
+    def forward(self, hidden_states, router_logits, *args, **kwargs):
+        bias = getattr(self, "_rimuru_bench_bias", None)
+        if bias is None or bias.device != router_logits.device or bias.dtype != router_logits.dtype:
+            layer = self.layer_id if self.layer_id is not None else 0
+            bias = _bias(layer, router_logits.shape[-1], router_logits.device, router_logits.dtype)
+            self._rimuru_bench_bias = bias
+        return original(self, hidden_states, router_logits + bias, *args, **kwargs)
+
+    topk_cls.forward = forward
+    print(f"[bench] router skew {SKEW} installed (pid {os.getpid()}): bias -s*log(1+rank) per layer",
+          file=sys.stderr, flush=True)
+
+
+class _Hook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)  # find the real module once
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None:
+            return None
+        self._real = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._real.create_module(spec)
+
+    def exec_module(self, module):
+        self._real.exec_module(module)
+        sys.meta_path.remove(self)
+        _patch(module)
+
+
+if SKEW > 0 and math.isfinite(SKEW):
+    sys.meta_path.insert(0, _Hook())
+# the device machine's own quirks (transformers registration) still apply there
+_device_site = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                            "device", "site", "sitecustomize.py")
+if os.path.exists(_device_site) and os.environ.get("RIMURU_BENCH_DEVICE_SITE") == "1":
+    exec(compile(open(_device_site).read(), _device_site, "exec"))
