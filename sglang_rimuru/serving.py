@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,20 +23,48 @@ class ServerNotReady(RuntimeError):
     """The server exited while starting, or did not answer /health in time."""
 
 
+# Below Linux's default ephemeral range (32768-60999). A port the kernel hands
+# out for bind(0) is an ephemeral one, and during the seconds a server takes
+# to start, any outgoing connection on the machine (the server's own
+# torch.distributed store, a test's HTTP client) may be given that same port:
+# CI saw uvicorn fail with "address already in use" exactly so.
+_PORT_RANGE = (20000, 32000)
+BIND_FAILED = "error while attempting to bind"
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free now, outside the ephemeral range."""
+    for _ in range(200):
+        port = random.randrange(*_PORT_RANGE)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {_PORT_RANGE}")
 
 
-def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    """Poll ``url/health`` once a second; raise ServerNotReady if ``proc`` dies or time runs out."""
+class PortTaken(ServerNotReady):
+    """The HTTP server could not bind its port (someone took it after it was picked)."""
+
+
+def wait_healthy(
+    url: str, timeout: float, proc: subprocess.Popen | None = None, log_path: Path | None = None
+) -> None:
+    """Poll ``url/health`` once a second; raise ServerNotReady if ``proc`` dies or time runs out.
+
+    With ``log_path``, a bind failure in the log raises PortTaken at once:
+    SGLang's launcher does not exit after uvicorn fails to bind, it hangs.
+    """
     import requests
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise ServerNotReady(f"the server exited with {proc.returncode} while starting")
+        if log_path is not None and BIND_FAILED in log_path.read_text(errors="replace"):
+            raise PortTaken(f"the server could not bind {url}")
         try:
             if requests.get(url + "/health", timeout=5).status_code == 200:
                 return
@@ -77,22 +106,29 @@ def start_local_server(
 ) -> LocalServer:
     """Start ``launch_server`` on a free loopback port with ``args`` and wait for /health.
 
+    A port taken between picking and binding is retried on a new port (twice).
     On failure the server is stopped and ServerNotReady carries the log's tail.
     """
-    port = free_port()
     log_path = Path(log_path)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            launcher_cmd("--host", "127.0.0.1", "--port", str(port), *args),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-    server = LocalServer(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
-    try:
-        wait_healthy(server.url, timeout, proc)
-    except ServerNotReady as exc:
-        server.stop()
-        raise ServerNotReady(f"{exc}; its log ({log_path}) ends:\n{server.log()[-4000:]}") from None
-    return server
+    for attempt in range(3):
+        port = free_port()
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                launcher_cmd("--host", "127.0.0.1", "--port", str(port), *args),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
+            )
+        server = LocalServer(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
+        try:
+            wait_healthy(server.url, timeout, proc, log_path)
+            return server
+        except PortTaken:
+            server.stop()
+            if attempt == 2:
+                raise ServerNotReady(f"three picked ports were taken; log ({log_path}):\n{server.log()[-4000:]}")
+        except ServerNotReady as exc:
+            server.stop()
+            raise ServerNotReady(f"{exc}; its log ({log_path}) ends:\n{server.log()[-4000:]}") from None
+    raise AssertionError("unreachable")
