@@ -10,15 +10,26 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/models
 [ -d /tmp/models/q15 ] || tar xzf .devdata/models.tgz -C /tmp/models
 RATE=${RATE:-10}; NUM=${NUM:-500}; BUDGET=${BUDGET:-300}
 SKEW=${SKEW:-0}  # > 0: skewed dummy routers (bench/serving/skew); the run names get "-skew"
+# A rate other than the anchors' 10 req/s tags the name NAME@RATE (report.py's rate plots).
 one() {  # one NAME CARD_GB MODEL -- FLAGS...
     local name=$1 card=$2 model=$3; shift 4
     [ "$SKEW" != 0 ] && name="$name-skew"
+    [ "$RATE" != 10 ] && name="$name@$RATE"
     timeout $(( BUDGET + 200 )) python3 bench/serving/run_one.py --name "$name" --model /tmp/models/$model \
         --card-gb "$card" --rate "$RATE" --num-prompts "$NUM" --out "$OUT" --budget-s "$BUDGET" --skew "$SKEW" \
         --dataset .devdata/sharegpt_1000_seed1_ctx8192.json.gz -- "$@" 2>&1 | grep -av "Warning\|warn(" | tail -3
 }
+# staticCCrN: static on a CC GB card with N of 60 experts resident per layer (the sweep).
+# Ablation on the 32 GB card: static32 (the pool alone, a fixed split), elastic32copy
+# (+ the adjuster; offloaded experts copied into load buffers before use, which
+# reads routing on the host, so no CUDA graphs), elastic32 (+ the paged kernel
+# reading offloaded experts in place from host pages, what lets decode run graphed).
 for run in ${RUNS:-static32 elastic32}; do
     case $run in
+    static32r*) n=${run#static32r}; one "$run" 32 q15 -- --rimuru-mode static --rimuru-resident-experts "$n" --rimuru-expert-offload-limit $(( 60 - n )) ;;
+    static24r*) n=${run#static24r}; one "$run" 24 q15 -- --rimuru-mode static --rimuru-resident-experts "$n" --rimuru-expert-offload-limit $(( 60 - n )) ;;
+    elastic32copy) one elastic32copy 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-zero-copy-max-tokens 0 --disable-cuda-graph ;;
+    offload24_*) gb=${run#offload24_}; one "$run" 24 q15 -- --cpu-offload-gb "$gb" ;;
     off32)      one off32 32 q15 -- ;;
     static32)   one static32 32 q15 -- --rimuru-mode static --rimuru-resident-experts 50 --rimuru-expert-offload-limit 10 ;;
     elastic32)  one elastic32 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 ;;

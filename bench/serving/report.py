@@ -4,7 +4,7 @@
 
 Prints one markdown table (system, card, completed, duration, output tok/s,
 TTFT and TPOT median / p99, peak running, peak GPU memory against the card,
-evictions / restores) and, with ``--baseline NAME``, each system's ratios to
+the server's peak host RSS, evictions / restores) and, with ``--baseline NAME``, each system's ratios to
 that one (throughput, TTFT median, peak running, TPOT median). ``--plots DIR``
 writes PNGs (matplotlib; the H200 image has it): the pool split over time
 (resident experts from the adjuster trace) beside the waiting queue, one per
@@ -28,17 +28,18 @@ def row(r: dict) -> str:
     b, lg, tr = r["bench"], r["log"], r.get("trace") or {}
     done = f"{b.get('completed', 0)}/{r['num_prompts']}" + (" (stopped)" if r.get("stopped_at_budget") else "")
     mem = f"{r['peak_process_mib'] / 1024:.1f} / {r['card_gib']:.0f}"
+    host = f"{r['peak_host_rss_mib'] / 1024:.1f}" if "peak_host_rss_mib" in r else "-"
     moves = f"{tr.get('evicted', 0)} / {tr.get('restored', 0)}" if tr else "-"
     return (f"| {r['name']} | {r['card_gib']:.0f} GB | {done} | {b.get('duration', 0):.1f} | "
             f"{b.get('output_throughput', 0):.0f} | {b.get('median_ttft_ms', 0) / 1e3:.2f} / "
             f"{b.get('p99_ttft_ms', 0) / 1e3:.2f} | {b.get('median_tpot_ms', 0):.2f} / {b.get('p99_tpot_ms', 0):.2f} | "
-            f"{lg['peak_running']} | {mem} | {moves} |")
+            f"{lg['peak_running']} | {mem} | {host} | {moves} |")
 
 
 def table(results: list[dict]) -> str:
     head = ("| system | card | completed | duration s | output tok/s | TTFT med / p99 s | TPOT med / p99 ms | "
-            "peak running | peak GPU GiB (process) / card | evicted / restored |\n"
-            "|---|---|---|---|---|---|---|---|---|---|")
+            "peak running | peak GPU GiB (process) / card | host RSS GiB | evicted / restored |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
     return "\n".join([head, *(row(r) for r in results)])
 
 

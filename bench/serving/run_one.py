@@ -19,9 +19,16 @@ GPU's and each process's memory), and the server log for running/queued requests
 
 Writes OUT_DIR/NAME.json: bench_serving's summary, peak running and queued requests,
 retractions, decode steps counted from the log, peak GPU memory (whole GPU and the
-largest process), the card budget, the adjuster trace's summary, and whether every
+largest process), the server's peak resident host memory (all its processes, from
+readiness on: the page-locked experts), the card budget, the adjuster trace's summary, and whether every
 request completed. Prints a short table. ``--budget-s`` stops the traffic (and says so)
-if the run would outlast a device call.
+if the run would outlast a device call. bench_serving writes its numbers only when
+all its requests are done, so a stopped run keeps the server-side numbers (log,
+memory, trace) and no latency or throughput figures.
+
+A CPU dry run of the whole path (tests/server/test_bench_serving.py does one):
+``--device-flags "--device cpu --disable-cuda-graph" --card-gb 0`` and the KV cap
+after ``--``.
 """
 
 from __future__ import annotations
@@ -52,33 +59,66 @@ def card_fraction(card_gib: float, total_mib: float = H200_MIB) -> float:
     return round(0.886 * card_gib * 1024 / total_mib, 4)
 
 
+def tree_rss_mib(pid: int) -> int:
+    """Resident host memory of process ``pid`` and its children (page-locked expert
+    weights are resident), MiB; 0 if it is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total >> 20
+
+
 class GpuSampler(threading.Thread):
-    """nvidia-smi every ``period`` s: the whole GPU's memory and each process's."""
+    """nvidia-smi every ``period`` s: the whole GPU's memory and each process's;
+    and the server's host memory (``watch(pid)``), GPU or not."""
 
     def __init__(self, period: float = 0.5) -> None:
         super().__init__(daemon=True)
         self.period = period
         self.peak_gpu_mib = 0
         self.peak_process_mib = 0
+        self.peak_host_rss_mib = 0
+        self.pid: int | None = None
         self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
+        self._gpu = True
+
+    def watch(self, pid: int) -> None:
+        self.pid = pid
 
     def run(self) -> None:
         t0 = time.time()
         while not self._stop.is_set():
-            try:
-                used = int(subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                          capture_output=True, text=True, timeout=10).stdout.split()[0])
-                procs = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                                        "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                                       timeout=10).stdout
-                per = [int(line.split(",")[1]) for line in procs.strip().splitlines() if "," in line]
-                self.peak_gpu_mib = max(self.peak_gpu_mib, used)
-                self.peak_process_mib = max([self.peak_process_mib, *per])
-                self.samples.append((round(time.time() - t0, 1), used))
-            except Exception:  # noqa: BLE001 - no nvidia-smi (CPU dry run): nothing to sample
-                return
+            if self.pid is not None:
+                self.peak_host_rss_mib = max(self.peak_host_rss_mib, tree_rss_mib(self.pid))
+            if self._gpu:
+                self._sample_gpu(t0)
             self._stop.wait(self.period)
+
+    def _sample_gpu(self, t0: float) -> None:
+        try:
+            used = int(subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                      capture_output=True, text=True, timeout=10).stdout.split()[0])
+            procs = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                    "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                                   timeout=10).stdout
+        except Exception:  # noqa: BLE001 - no nvidia-smi (CPU dry run): nothing to sample
+            self._gpu = False
+            return
+        per = [int(line.split(",")[1]) for line in procs.strip().splitlines() if "," in line]
+        self.peak_gpu_mib = max(self.peak_gpu_mib, used)
+        self.peak_process_mib = max([self.peak_process_mib, *per])
+        self.samples.append((round(time.time() - t0, 1), used))
 
     def stop(self) -> None:
         self._stop.set()
@@ -123,6 +163,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=500)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--dataset", default=DEFAULT_DATASET)
+    ap.add_argument("--context-len", type=int, default=8192,
+                    help="bench_serving's ShareGPT context filter (the anchors': 8192)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=420, help="stop the traffic after this long")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=160)
@@ -145,7 +187,7 @@ def main() -> None:
 
     flags = ["--model-path", args.model, "--load-format", "dummy", "--chunked-prefill-size", "2048",
              "--cuda-graph-max-bs", str(args.cuda_graph_max_bs), *args.device_flags.split()]
-    if "--mem-fraction-static" not in server_args:
+    if "--mem-fraction-static" not in server_args and args.card_gb > 0:
         flags += ["--mem-fraction-static", str(card_fraction(args.card_gb))]
     trace = out / f"{args.name}_trace.jsonl"
     if "elastic" in server_args:
@@ -160,6 +202,7 @@ def main() -> None:
         env = {"PYTHONPATH": f"{Path(__file__).parent / 'skew'}:{path}", "RIMURU_BENCH_ROUTER_SKEW": str(args.skew),
                "RIMURU_BENCH_DEVICE_SITE": "1" if "bench/device/site" in path else "0"}
     srv = start_local_server([*flags, *server_args], log_path, timeout=600, env=env)
+    sampler.watch(srv.proc.pid)  # from here on (the weights are loaded: what stays resident)
     ready_s = time.time() - t_launch
     port = srv.url.rsplit(":", 1)[1]
     bench_out = out / f"{args.name}_bench.jsonl"
@@ -167,7 +210,7 @@ def main() -> None:
     cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1",
            "--port", port, "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
            "--num-prompts", str(args.num_prompts), "--request-rate", str(args.rate), "--seed", str(args.seed),
-           "--sharegpt-context-len", "8192", "--tokenizer", args.model, "--output-file", str(bench_out),
+           "--sharegpt-context-len", str(args.context_len), "--tokenizer", args.model, "--output-file", str(bench_out),
            "--disable-tqdm"]
     t0 = time.time()
     stopped = False
@@ -191,6 +234,7 @@ def main() -> None:
         "bench": {k: v for k, v in result.items() if not isinstance(v, list)},
         "log": log_stats(log),
         "peak_gpu_mib": sampler.peak_gpu_mib, "peak_process_mib": sampler.peak_process_mib,
+        "peak_host_rss_mib": sampler.peak_host_rss_mib,
         "card_mib": args.card_gb * 1024, "gpu_mem_series": sampler.samples[::4],
         "trace": trace_summary(trace),
         "tracebacks": log.count("Traceback"),
@@ -203,6 +247,7 @@ def main() -> None:
           f"p99 {b.get('p99_ttft_ms', 0):.0f} ms; TPOT med {b.get('median_tpot_ms', 0):.2f} "
           f"p99 {b.get('p99_tpot_ms', 0):.2f} ms; peak running {res['log']['peak_running']}; "
           f"peak GPU {res['peak_gpu_mib']} MiB (process {res['peak_process_mib']}, card {res['card_mib']:.0f}); "
+          f"host RSS {res['peak_host_rss_mib']} MiB; "
           f"ready {res['ready_s']} s; tracebacks {res['tracebacks']}"
           + (f"; trace: {res['trace']['evicted']} out / {res['trace']['restored']} in, min resident "
              f"{res['trace']['min_resident']}" if res["trace"] else "")

@@ -1,0 +1,64 @@
+"""A CPU dry run of the serving benchmark (bench/serving/run_one.py, report.py).
+
+The H200 runs of issues 10 and 12 go through these two scripts, and device time
+is short: a crash in the harness would waste a whole call. Here the same path
+runs end to end on the tiny model in elastic mode: the launcher, SGLang's
+bench_serving with ShareGPT-format traffic, the log and trace summaries, the
+JSON, and the report's tables (plots need matplotlib, which CI may lack).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_rimuru.models import ensure_model
+
+pytestmark = pytest.mark.server
+
+ROOT = Path(__file__).resolve().parents[2]
+#: 153 expert pages of 45,056 B: 42 of 48 experts resident at start and 85 KV tokens,
+#: so the traffic makes the adjuster evict (tests/server/test_real_geometry.py)
+POOL_GB = 153 * 45_056 / (1 << 30) + 1e-9
+
+
+def sharegpt_file(path: Path, n: int) -> Path:
+    """``n`` two-turn conversations in ShareGPT's format (bench_serving keeps turn 1 and 2)."""
+    convs = [{"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Question {i}: " + "tell me about the weather and the sea " * (1 + i % 3)},
+        {"from": "gpt", "value": "It is calm and blue today, friend."},
+    ]} for i in range(n)]
+    path.write_text(json.dumps(convs))
+    return path
+
+
+def test_run_one_and_report_on_cpu(tmp_path, model_dir):
+    model = str(ensure_model("tiny-qwen2-moe-q15-ratio", cache_dir=model_dir))
+    data = sharegpt_file(tmp_path / "sharegpt.json", 12)
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "bench/serving/run_one.py"), "--name", "elastic_cpu", "--model", model,
+           "--card-gb", "0", "--device-flags", "", "--rate", "8", "--num-prompts", "12", "--dataset", str(data),
+           "--context-len", "512", "--out", str(out), "--budget-s", "240", "--",
+           "--rimuru-mode", "elastic", "--rimuru-expert-offload-limit", "4", "--rimuru-pool-gb", f"{POOL_GB:.9f}",
+           "--context-length", "512"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "elastic_cpu.json").read_text())
+    assert res["all_completed"], res["bench_log_tail"]
+    assert res["bench"]["completed"] == 12 and res["bench"]["output_throughput"] > 0
+    assert res["stopped_at_budget"] is False and res["tracebacks"] == 0
+    assert res["log"]["peak_running"] >= 1 and res["log"]["kv_tokens"] is not None
+    assert res["trace"]["evicted"] > 0 and res["trace"]["rounds"] >= 1  # the adjuster trace was kept
+    assert res["peak_gpu_mib"] == 0  # no nvidia-smi here: nothing sampled, nothing made up
+    assert res["peak_host_rss_mib"] > 100  # the server's processes (SGLang alone is hundreds of MiB)
+    assert "elastic_cpu: completed 12/12" in proc.stdout
+
+    rep = subprocess.run([sys.executable, str(ROOT / "bench/serving/report.py"), str(out / "elastic_cpu.json"),
+                          "--baseline", "elastic_cpu"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert rep.returncode == 0, rep.stderr
+    assert "| elastic_cpu | 0 GB | 12/12 |" in rep.stdout
+    assert "| elastic_cpu | 1.00x | 1.00x | 1.00x | 1.00x |" in rep.stdout
