@@ -7,6 +7,8 @@ pytest's tmp dir, stopped by killing the whole group).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,12 @@ def run_dsl_program(server: Server, topics: list[str]) -> list[dict]:
     states = program.run_batch([{"topic": t} for t in topics], backend=backend) if len(topics) > 1 else [
         program.run(topic=topics[0], backend=backend)]
     return [{"answer": st["answer"], "verdict": st["verdict"], "ideas": st["ideas"]} for st in states]
+
+
+def run_sglang_cpu_script(name: str, timeout: float = 300) -> None:
+    """Run ``tests/sglang_cpu/<name>`` in a child process (importing SGLang needs the
+    CPU stand-in installed first); it must exit 0 and print ``OK`` last."""
+    script = Path(__file__).parent / "sglang_cpu" / name
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip().splitlines()[-1] == "OK"

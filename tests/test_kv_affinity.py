@@ -4,13 +4,8 @@ The checks live in ``sglang_cpu/affinity_over_pool.py`` and run in a child
 process, because importing SGLang needs the CPU stand-in installed first.
 """
 
-import subprocess
-import sys
-from pathlib import Path
+from tests.conftest import run_sglang_cpu_script
 
 
 def test_interleaved_requests_keep_to_their_own_expert_pages():
-    script = Path(__file__).parent / "sglang_cpu" / "affinity_over_pool.py"
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.strip().splitlines()[-1] == "OK"
+    run_sglang_cpu_script("affinity_over_pool.py")
