@@ -80,6 +80,10 @@ class ModelFacts:
             context_len=int(config.get("max_position_embeddings", 4096)),
         )
 
+    def routed_expert_bytes(self, dtype_bytes: int = 2) -> int:
+        """Every routed expert of every MoE layer (W1, W3, W2), all TP ranks together."""
+        return len(self.moe_layer_ids) * self.num_experts * 3 * self.moe_inter * self.hidden * dtype_bytes
+
     def moe_shape(self, *, tp_size: int = 1, dtype=None):
         """The :class:`~sglang_rimuru.experts.MoEShape` of one TP rank (bf16 by default)."""
         import torch
@@ -175,7 +179,8 @@ class PoolPlan:
                 f"{flag}: a pool of {pool_bytes / GIB:.4g} GiB cannot hold {resident} resident "
                 f"experts x {self.num_moe_layers} layers ({experts / GIB:.4g} GiB{how}), the load buffers "
                 f"({buffers / GIB:.4g} GiB) and one request of {self.request_tokens} tokens "
-                f"({kv / GIB:.4g} GiB); it needs at least {self.min_pool_bytes / GIB:.4g} GiB"
+                f"({kv / GIB:.4g} GiB); it needs at least {self.min_pool_bytes / GIB:.4g} GiB "
+                f"(or a shorter --context-length: one request is {self.request_tokens} tokens now)"
             )
         if self.elastic and self.resident_per_layer is not None:
             need = self.bytes_for(0, self.resident_per_layer)
@@ -280,3 +285,15 @@ def plan_pool(
     else:
         pool_bytes = None
     return dataclasses.replace(plan, pool_bytes=pool_bytes)
+
+
+def check_host_memory(facts: ModelFacts, available_bytes: int, dtype_bytes: int = 2) -> None:
+    """On a GPU the pool modes keep every routed expert in page-locked host memory
+    (the TP ranks of one machine hold one copy between them); that must fit in
+    what the machine has available, or the load dies half-way, killed for memory."""
+    need = facts.routed_expert_bytes(dtype_bytes)
+    if need > available_bytes:
+        raise PlanError(
+            f"--rimuru-mode: the routed experts need {need / GIB:.1f} GiB of page-locked host memory "
+            f"and this machine has {available_bytes / GIB:.1f} GiB available (MemAvailable)"
+        )

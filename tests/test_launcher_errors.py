@@ -119,3 +119,14 @@ def test_adjuster_thresholds_that_would_ping_pong(tiny_moe):
 def test_moe_kernel_needs_a_pool_mode(tiny_moe):
     proc = run_launcher("--model-path", tiny_moe, "--rimuru-moe-kernel", "fast")
     assert_one_line_error(proc, "--rimuru-moe-kernel", "need --rimuru-mode static or elastic")
+
+
+def test_mem_available_is_read_from_meminfo(tmp_path):
+    from rimuru_patches.server import mem_available_bytes
+
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       24000000 kB\nMemFree:         1000 kB\nMemAvailable:   20000000 kB\n")
+    assert mem_available_bytes(str(info)) == 20_000_000 * 1024
+    info.write_text("MemTotal:       24000000 kB\n")
+    assert mem_available_bytes(str(info)) is None
+    assert mem_available_bytes(str(tmp_path / "missing")) is None

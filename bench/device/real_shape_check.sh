@@ -45,7 +45,8 @@ probe() {  # probe NAME: run serve_probe, keep the pool lines and GPU memory
         timeout 120 python3 bench/grammar_check.py --url http://127.0.0.1:$PORT --refusals > "$OUT/$1_grammar.txt" 2>&1
         echo "$1 grammar check exit $? ($(grep -ac . "$OUT/$1_grammar.txt") lines):"; tail -4 "$OUT/$1_grammar.txt"
     fi
-    echo "$1 GPU memory used: $(peak_mem) MiB"
+    echo "$1 GPU memory used: $(peak_mem) MiB; host RSS of the server's processes:" \
+        "$(ps -o rss= -p "$(pgrep -d, -g $server)" | awk '{s+=$1} END {print int(s/1024)}') MiB"
     grep -a "sglang-rimuru .* pool:\|Traceback\|Error\|error" "$OUT/$1.log" | grep -av "warn" | head -6
 }
 run() { serve "$@" && probe $1; kill -- -$server 2>/dev/null; sleep 3; }
@@ -59,8 +60,8 @@ for stage in $STAGES; do
     case $stage in
     tests)
         timeout 60 python3 bench/device/zero_copy_diag.py "$OUT/zero_copy_diag.json" 2>&1 | tail -4
-        timeout 200 python3 -m pytest -q -p no:cacheprovider -x --tb=short tests/kernels/test_paged_moe.py -k "host" \
-            2>&1 | grep -av -i warn | tail -30 ;;
+        timeout 200 python3 -m pytest -q -p no:cacheprovider -x --tb=short tests/kernels/test_paged_moe.py \
+            tests/experts/test_compute.py -k "host or gpu" 2>&1 | grep -av -i warn | tail -30 ;;
     off) run off 30000 ;;
     sweep) timeout ${SWEEP_S:-150} python3 bench/kernel/zero_copy_sweep.py --out "$OUT/zero_copy_sweep.json" \
         --budget-s $(( ${SWEEP_S:-150} - 40 )) 2>&1 | grep -av -i warn | tail -45 ;;

@@ -79,7 +79,7 @@ def _check_port(host: str, port: int) -> None:
 
 def _check_pool_plan(args: argparse.Namespace, config) -> None:
     """The pool checks that must fail before any weight loads."""
-    from sglang_rimuru.plan import ModelFacts, PlanError, plan_pool
+    from sglang_rimuru.plan import ModelFacts, PlanError, check_host_memory, plan_pool
 
     if (args.ep_size or 1) > 1:
         raise LaunchError(f"--ep-size {args.ep_size}: --rimuru-mode {config.mode} does not support expert parallelism")
@@ -99,8 +99,24 @@ def _check_pool_plan(args: argparse.Namespace, config) -> None:
             from sglang_rimuru.experts import load_ranking
 
             load_ranking(config.expert_ranking, facts.moe_shape())
+        if args.device != "cpu":  # on CPU every weight is in host memory in any mode
+            available = mem_available_bytes()
+            if available is not None:
+                check_host_memory(facts, available)
     except (PlanError, ValueError) as exc:
         raise LaunchError(str(exc)) from None
+
+
+def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The kernel's estimate of memory available to a new process (None if unknown)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _may_offload(args: argparse.Namespace, config) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sglang_rimuru.config import RimuruConfig
-from sglang_rimuru.plan import GIB, ModelFacts, PlanError, plan_pool
+from sglang_rimuru.plan import GIB, ModelFacts, PlanError, check_host_memory, plan_pool
 
 TINY = {
     "architectures": ["Qwen3MoeForCausalLM"],
@@ -149,3 +149,12 @@ def test_elastic_budget_too_small_even_at_the_offload_limit():
 def test_elastic_offload_limit_of_every_expert_is_refused():
     with pytest.raises(PlanError, match=r"--rimuru-expert-offload-limit 8 would let a layer offload all 8"):
         plan_pool(ModelFacts.from_config(TINY), RimuruConfig(mode="elastic", expert_offload_limit=8))
+
+
+def test_host_memory_must_hold_every_routed_expert():
+    facts = ModelFacts.from_config(QWEN15)
+    need = 24 * 60 * 3 * 1408 * 2048 * 2  # every layer's 60 experts, W1 W3 W2, bf16
+    assert facts.routed_expert_bytes() == need == 24_914_165_760
+    check_host_memory(facts, need)
+    with pytest.raises(PlanError, match=r"need 23\.2 GiB of page-locked host memory and this machine has 16\.0 GiB"):
+        check_host_memory(facts, 16 * GIB)

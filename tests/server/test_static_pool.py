@@ -165,3 +165,25 @@ def test_static_mode_with_tensor_parallel_2(tmp_path, model_dir):
     pools = re.findall(r"\[[^\]]* TP(\d)\] sglang-rimuru static pool: (.*)", log)
     assert sorted(rank for rank, _ in pools) == ["0", "1"]
     assert pools[0][1] == pools[1][1]  # both ranks sized and filled their pools the same way
+
+
+def test_dummy_weights_serve_alike_in_static_mode(tmp_path, model_dir):
+    """``--load-format dummy`` (what every H200 benchmark runs): the routed experts are
+    made in host memory and drawn by the ``experts.dummy_weights`` seam; greedy ids
+    equal mode off's, whose experts SGLang draws itself."""
+    path = str(ensure_model("tiny-qwen2-moe", cache_dir=model_dir))
+    base = ["--model-path", path, "--max-total-tokens", "4096", "--load-format", "dummy"]
+
+    def run(args, name):
+        srv = start_server(base + args, tmp_path / f"{name}.log")
+        try:
+            out = [generate(srv, "The unified page pool", max_new_tokens=12)["output_ids"],
+                   [o["output_ids"] for o in generate(srv, PROMPTS_16[:4], max_new_tokens=8)]]
+            return out, srv.log()
+        finally:
+            srv.stop()
+
+    expected, _ = run([], "off")
+    got, log = run(STATIC, "static")
+    assert got == expected
+    assert "Traceback" not in log

@@ -2,9 +2,11 @@
 
 Seams (all inert unless the mode is on; ledger in ``patches/README.md``):
 
+* ``ModelRunner.load_model``, ``UnquantizedFusedMoEMethod.create_weights``,
+  ``initialize_dummy_weights``: routed experts are made and loaded in host
+  memory, never on the GPU (``host_experts.py``);
 * ``ModelRunner.alloc_memory_pool``: build the :class:`RimuruRuntime` (experts
-  out of SGLang's tensors into host memory and pool pages) before SGLang
-  builds its KV pool;
+  from host memory into pool pages) before SGLang builds its KV pool;
 * ``KVCacheConfigurator._profile_available_bytes`` / ``_apply_token_constraints``:
   SGLang sizes its KV pool to what the unified pool can hold;
 * ``KVCacheConfigurator._build_mha_kv_pool`` / ``_build_token_to_kv_pool_allocator``:
@@ -24,7 +26,7 @@ import os
 
 from rimuru_patches.context import ProcessContext
 from rimuru_patches.seams import Seam, original, register
-from rimuru_patches.unified_pool import affinity
+from rimuru_patches.unified_pool import affinity, host_experts
 
 
 def _on(ctx: ProcessContext) -> bool:
@@ -181,3 +183,24 @@ for _name, _target, _build in (
                   why="tell the pooled allocator whose KV slots one batch allocation takes, so each "
                       "request stays in its own expert pages",
                   applies=lambda ctx: _on(ctx) and affinity.enabled()))
+
+#: ``SGLANG_RIMURU_EXPERTS_ON_HOST=0``: SGLang makes the routed experts on the device
+#: and the runtime copies them out after loading (the load peak holds every expert)
+EXPERTS_ON_HOST_ENV = "SGLANG_RIMURU_EXPERTS_ON_HOST"
+
+
+def _experts_on_host(ctx: ProcessContext) -> bool:
+    return _on(ctx) and os.environ.get(EXPERTS_ON_HOST_ENV, "1") != "0"
+
+
+for _name, _target, _build in (
+    ("experts.host_load", f"{_MODEL_RUNNER}.load_model", host_experts.wrap_load_model),
+    ("experts.host_weights", "sglang.srt.layers.quantization.unquant:UnquantizedFusedMoEMethod.create_weights",
+     host_experts.wrap_create_weights),
+    ("experts.dummy_weights", "sglang.srt.model_loader.loader:initialize_dummy_weights",
+     host_experts.wrap_dummy_weights),
+):
+    register(Seam(name=_name, target=_target, build=_build,
+                  why="routed experts are made and loaded in host memory, never on the GPU, so the load "
+                      "peak fits a card that cannot hold them (dummy weights drawn as on the device)",
+                  applies=_experts_on_host))

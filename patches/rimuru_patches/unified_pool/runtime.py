@@ -4,8 +4,9 @@ Each TP rank's scheduler process runs one ``RimuruRuntime``. It is built in
 ``ModelRunner.alloc_memory_pool`` after SGLang loaded the weights and before
 SGLang builds its KV pool:
 
-1. every routed expert of every MoE layer is copied to host memory (pinned on
-   CUDA) and SGLang's contiguous ``w13_weight`` / ``w2_weight`` are freed;
+1. every routed expert of every MoE layer is in host memory (pinned on CUDA):
+   made there at load (``host_experts.py``), else copied out of SGLang's
+   contiguous ``w13_weight`` / ``w2_weight``, which are freed;
 2. the pool is sized (``sglang_rimuru.plan``), its byte buffer allocated,
    KV slot 0 reserved for SGLang's dummy writes, the two load buffers and the
    resident experts (highest ranked first) placed, and the residents copied in;
@@ -27,6 +28,7 @@ import os
 
 import torch
 
+from rimuru_patches.unified_pool import host_experts
 from sglang_rimuru.config import RimuruConfig
 from sglang_rimuru.experts import (
     ExpertManager,
@@ -169,11 +171,20 @@ class RimuruRuntime:
         )
         shape = facts.moe_shape(tp_size=model_runner.ps.tp_size, dtype=dtype)
         device = torch.device(model_runner.device)
-        host = HostExpertStore(shape, pin_memory=device.type == "cuda")
-        for layer_id, (moe, _) in layers.items():
+        for moe, _ in layers.values():
             cls._check_layer(moe, shape)
-            host.put_fused(layer_id, moe.w13_weight.data, moe.w2_weight.data)
-            # SGLang's contiguous copies go; the pool and the host store hold the experts now.
+        hosted = host_experts.take()
+        if set(hosted) == set(shape.layer_ids):  # made in host memory at load (host_experts.py)
+            host = HostExpertStore.adopt(shape, hosted)
+        else:  # made by SGLang on the device: copied out
+            if hosted:
+                raise RuntimeError(f"--rimuru-mode: MoE layers {sorted(hosted)} were made in host memory, "
+                                   f"but not all of {list(shape.layer_ids)}")
+            host = HostExpertStore(shape, pin_memory=device.type == "cuda")
+            for layer_id, (moe, _) in layers.items():
+                host.put_fused(layer_id, moe.w13_weight.data, moe.w2_weight.data)
+        for moe, _ in layers.values():
+            # SGLang's tensors (or views) go; the pool and the host store hold the experts now.
             moe.w13_weight.data = torch.empty(0, dtype=dtype, device=device)
             moe.w2_weight.data = torch.empty(0, dtype=dtype, device=device)
         if device.type == "cuda":
