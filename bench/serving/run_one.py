@@ -61,8 +61,11 @@ def card_fraction(card_gib: float, total_mib: float = H200_MIB) -> float:
 
 def tree_rss_mib(pid: int) -> int:
     """Resident host memory of process ``pid`` and its children (page-locked expert
-    weights are resident), MiB; 0 if it is gone."""
-    import psutil
+    weights are resident), MiB; 0 if it is gone (or psutil is missing)."""
+    try:
+        import psutil  # SGLang's own dependency
+    except ImportError:
+        return 0
 
     try:
         root = psutil.Process(pid)
