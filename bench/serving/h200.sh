@@ -11,10 +11,16 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/models
 RATE=${RATE:-10}; NUM=${NUM:-500}; BUDGET=${BUDGET:-300}
 SKEW=${SKEW:-0}  # > 0: skewed dummy routers (bench/serving/skew); the run names get "-skew"
 # A rate other than the anchors' 10 req/s tags the name NAME@RATE (report.py's rate plots).
+# RANKING=FILE: pool-mode runs rank experts by it (--rimuru-expert-ranking); the run
+# "rank" measures one (python -m sglang_rimuru.rank, 200 ShareGPT prompts of the
+# anchors' file, the routers skewed as SKEW says) into $OUT/ranking_q15_skewS.json
+# and points RANKING at it for the runs after it in the same call.
+RANKING=${RANKING:-}
 one() {  # one NAME CARD_GB MODEL -- FLAGS...
     local name=$1 card=$2 model=$3; shift 4
     [ "$SKEW" != 0 ] && name="$name-skew"
     [ "$RATE" != 10 ] && name="$name@$RATE"
+    case " $* " in *" --rimuru-mode "*) [ -n "$RANKING" ] && set -- "$@" --rimuru-expert-ranking "$RANKING" ;; esac
     timeout $(( BUDGET + 200 )) python3 bench/serving/run_one.py --name "$name" --model /tmp/models/$model \
         --card-gb "$card" --rate "$RATE" --num-prompts "$NUM" --out "$OUT" --budget-s "$BUDGET" --skew "$SKEW" \
         --dataset .devdata/sharegpt_1000_seed1_ctx8192.json.gz -- "$@" 2>&1 | grep -av "Warning\|warn(" | tail -3
@@ -24,8 +30,23 @@ one() {  # one NAME CARD_GB MODEL -- FLAGS...
 # (+ the adjuster; offloaded experts copied into load buffers before use, which
 # reads routing on the host, so no CUDA graphs), elastic32 (+ the paged kernel
 # reading offloaded experts in place from host pages, what lets decode run graphed).
+rank() {  # the measured ranking of the Qwen1.5 shape under this SKEW
+    local out="$OUT/ranking_q15_skew$SKEW.json"
+    python3 - > /tmp/rank_prompts.json <<'PY'
+import gzip, json
+convs = json.load(gzip.open(".devdata/sharegpt_1000_seed1_ctx8192.json.gz"))
+print(json.dumps([c["conversations"][0]["value"] for c in convs[:200]]))
+PY
+    PYTHONPATH="$PWD/bench/serving/skew:$PYTHONPATH" RIMURU_BENCH_ROUTER_SKEW=$SKEW RIMURU_BENCH_DEVICE_SITE=1 \
+        timeout 400 python3 -m sglang_rimuru.rank --model-path /tmp/models/q15 --out "$out" \
+        --prompts /tmp/rank_prompts.json --concurrency 32 -- --load-format dummy --mem-fraction-static 0.2019 \
+        --chunked-prefill-size 2048 --attention-backend triton --sampling-backend pytorch --grammar-backend none \
+        2>&1 | grep -av "Warning\|warn(" | tail -4
+    [ -s "$out" ] && RANKING=$out && echo "RANKING=$RANKING"
+}
 for run in ${RUNS:-static32 elastic32}; do
     case $run in
+    rank) rank ;;
     static32r*) n=${run#static32r}; one "$run" 32 q15 -- --rimuru-mode static --rimuru-resident-experts "$n" --rimuru-expert-offload-limit $(( 60 - n )) ;;
     static24r*) n=${run#static24r}; one "$run" 24 q15 -- --rimuru-mode static --rimuru-resident-experts "$n" --rimuru-expert-offload-limit $(( 60 - n )) ;;
     elastic32copy) one elastic32copy 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-zero-copy-max-tokens 0 --disable-cuda-graph ;;
