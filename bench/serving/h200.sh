@@ -3,12 +3,12 @@
 #   RUNS="static32 elastic32" bash bench/serving/h200.sh
 # Each name below is one system and setting (bench/serving/run_one.py); the JSON,
 # server log and adjuster trace of each land in $OUT. RATE / NUM / BUDGET override
-# the traffic (default: the anchors' 500 ShareGPT requests at 10 req/s, seed 1).
+# the traffic (default: the anchors' 500 ShareGPT requests at 10 req/s, seed 1; SEED too).
 set -uo pipefail
 source bench/device/setup_device.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/models
 [ -d /tmp/models/q15 ] || tar xzf .devdata/models.tgz -C /tmp/models
-RATE=${RATE:-10}; NUM=${NUM:-500}; BUDGET=${BUDGET:-300}
+RATE=${RATE:-10}; NUM=${NUM:-500}; BUDGET=${BUDGET:-300}; SEED=${SEED:-1}  # the light-load anchor: RATE=1 NUM=60 SEED=2
 SKEW=${SKEW:-0}  # > 0: skewed dummy routers (bench/serving/skew); the run names get "-skew"
 # A rate other than the anchors' 10 req/s tags the name NAME@RATE (report.py's rate plots).
 # RANKING=FILE: pool-mode runs rank experts by it (--rimuru-expert-ranking); the run
@@ -22,7 +22,7 @@ one() {  # one NAME CARD_GB MODEL -- FLAGS...
     [ "$RATE" != 10 ] && name="$name@$RATE"
     case " $* " in *" --rimuru-mode "*) [ -n "$RANKING" ] && set -- "$@" --rimuru-expert-ranking "$RANKING" ;; esac
     timeout $(( BUDGET + 200 )) python3 bench/serving/run_one.py --name "$name" --model /tmp/models/$model \
-        --card-gb "$card" --rate "$RATE" --num-prompts "$NUM" --out "$OUT" --budget-s "$BUDGET" --skew "$SKEW" \
+        --card-gb "$card" --rate "$RATE" --num-prompts "$NUM" --seed "$SEED" --out "$OUT" --budget-s "$BUDGET" --skew "$SKEW" \
         --dataset .devdata/sharegpt_1000_seed1_ctx8192.json.gz -- "$@" 2>&1 | grep -av "Warning\|warn(" | tail -3
 }
 # staticCCrN: static on a CC GB card with N of 60 experts resident per layer (the sweep).
