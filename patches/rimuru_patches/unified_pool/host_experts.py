@@ -3,8 +3,9 @@
 SGLang's ``FusedMoE`` allocates every routed expert on the GPU when the model
 is built, and the pool used to move them to host memory only after loading.
 On a card that cannot hold the weights (the case the pool is for) that load
-peak is what fails: Qwen1.5-MoE-A2.7B's routed experts are 26.6 GB, more than
-a 24 GB card, and Qwen3-30B-A3B's 57.9 GB. So in pool modes:
+peak is what fails: Qwen1.5-MoE-A2.7B is 26.6 GiB with its routed experts
+(23.2 GiB of it), more than a 24 GiB card; Qwen3-30B-A3B's experts alone are
+54 GiB. So in pool modes:
 
 * ``experts.host_weights`` (``UnquantizedFusedMoEMethod.create_weights``):
   while the main model is built (``experts.host_load``, around
