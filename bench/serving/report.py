@@ -74,14 +74,18 @@ def plots(results: list[dict], out: Path) -> list[Path]:
         series = (r.get("trace") or {}).get("series")
         if not series:
             continue
-        t, resident, waiting = zip(*series)
-        fig, ax = plt.subplots(figsize=(8, 3.5))
+        cols = list(zip(*series))  # t, resident experts, waiting requests[, expert pages split for KV]
+        t, resident, waiting = cols[:3]
+        fig, (ax, ax3) = plt.subplots(2, 1, figsize=(8, 5), sharex=True, height_ratios=[2, 1])
         ax.step(t, resident, where="post", label="resident experts")
-        ax.set_xlabel("s since the first change")
         ax.set_ylabel("resident experts")
-        ax2 = ax.twinx()
-        ax2.plot(t, waiting, color="tab:red", alpha=0.6, label="waiting requests")
-        ax2.set_ylabel("waiting requests")
+        if len(cols) > 3:
+            ax2 = ax.twinx()
+            ax2.step(t, cols[3], where="post", color="tab:green", alpha=0.7, label="expert pages holding KV")
+            ax2.set_ylabel("expert pages holding KV")
+        ax3.step(t, waiting, where="post", color="tab:red", label="waiting requests")
+        ax3.set_ylabel("waiting requests")
+        ax3.set_xlabel("s since the first change (the adjuster trace: one point per change)")
         ax.set_title(f"{r['name']}: the pool's split and the queue")
         fig.tight_layout()
         path = out / f"{r['name']}_split.png"

@@ -153,7 +153,8 @@ def trace_summary(path: Path) -> dict | None:
         "restored": sum(len(x["restored"]) for x in lines),
         "min_resident": min((x["resident"] for x in lines), default=None),
         "final_resident": lines[-1]["resident"] if lines else None,
-        "series": [(round(x["t"] - lines[0]["t"], 2), x["resident"], x.get("waiting", 0)) for x in lines],
+        "series": [(round(x["t"] - lines[0]["t"], 2), x["resident"], x.get("waiting", 0),
+                    x.get("pool", {}).get("kv_split_expert_pages", 0)) for x in lines],
     }
 
 
