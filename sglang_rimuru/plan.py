@@ -165,10 +165,28 @@ class PoolPlan:
     def min_pool_bytes(self) -> int:
         return self.bytes_for(self.request_tokens)
 
-    def check_pool_bytes(self, pool_bytes: int, flag: str = "--rimuru-pool-gb") -> None:
+    def kv_tokens_beside(self, pool_bytes: int) -> int:
+        """KV tokens a pool of ``pool_bytes`` holds in whole expert pages beside the
+        fewest residents the mode allows and the load buffers (at least; holes aside)."""
+        pages = pool_bytes // self.expert_page_bytes - self.fixed_expert_pages()
+        return max(0, pages) * self.kv_pages_per_expert_page * self.page_size
+
+    def check_pool_bytes(self, pool_bytes: int, flag: str = "--rimuru-pool-gb", like_sglang: bool = False) -> int:
         """The pool holds the fewest residents the mode allows and one request;
-        in elastic mode with ``--rimuru-resident-experts``, those residents too."""
+        in elastic mode with ``--rimuru-resident-experts``, those residents too.
+        Returns the longest request it holds: ``request_tokens``, or fewer when
+        ``like_sglang``.
+
+        ``like_sglang`` (static mode sized from SGLang's own memory budget, the
+        flags mode off runs with): as SGLang does without the pool, a KV cache
+        shorter than the context caps requests (SGLang's ``max_req_input_len`` is
+        its KV size - 1) instead of refusing the start, down to SGLang's own
+        floor of two tokens. Elastic keeps the full request: evictions supply it.
+        """
         resident = self.min_resident_per_layer
+        if pool_bytes < self.min_pool_bytes and like_sglang and not self.elastic:
+            if self.kv_tokens_beside(pool_bytes) >= 2:
+                return self.kv_tokens_beside(pool_bytes)
         if pool_bytes < self.min_pool_bytes:
             experts = self.num_moe_layers * resident * 3 * self.expert_page_bytes
             buffers = 2 * self.offload_limit * 3 * self.expert_page_bytes
@@ -191,6 +209,7 @@ class PoolPlan:
                     f"layers with the load buffers need {need / GIB:.4g} GiB at start; lower it, or leave it out "
                     "to start with as many experts as fit"
                 )
+        return self.request_tokens
 
     def residents_at_start(self, free_expert_pages: int, keep_free_pages: int) -> int:
         """Experts (all layers) to place at start, given the pool's free expert pages

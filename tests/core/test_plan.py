@@ -158,3 +158,26 @@ def test_host_memory_must_hold_every_routed_expert():
     check_host_memory(facts, need)
     with pytest.raises(PlanError, match=r"need 23\.2 GiB of page-locked host memory and this machine has 16\.0 GiB"):
         check_host_memory(facts, 16 * GIB)
+
+
+def test_static_sized_by_sglang_caps_requests_like_sglang_instead_of_refusing():
+    """Every expert resident on the 32 GB card: mode off holds 7,112 KV tokens and serves
+    an 8,192-token context by capping requests; static sized from the same budget does
+    the same. With the pool size given (--rimuru-pool-gb) the full request stays required."""
+    plan = plan_pool(ModelFacts.from_config(QWEN15), RimuruConfig(mode="static", expert_offload_limit=0))
+    assert plan.min_resident_per_layer == 60 and plan.request_tokens == 8192
+    # 4553 expert pages: 1 dummy + 4320 for the experts + 232 of KV (28 whole KV pages each)
+    assert CARD_32GB_POOL // 5_767_168 == 4553
+    assert plan.kv_tokens_beside(CARD_32GB_POOL) == 232 * 28 == 6496
+    assert plan.check_pool_bytes(CARD_32GB_POOL, flag="--mem-fraction-static", like_sglang=True) == 6496
+    with pytest.raises(PlanError, match=r"one request of 8192 tokens"):
+        plan.check_pool_bytes(CARD_32GB_POOL)
+    # a pool that fits the request returns it whole
+    assert plan.check_pool_bytes(plan.min_pool_bytes, like_sglang=True) == 8192
+    # below SGLang's own floor (two tokens) it is refused all the same
+    with pytest.raises(PlanError, match=r"cannot hold 60 resident experts"):
+        plan.check_pool_bytes(4321 * 5_767_168, flag="--mem-fraction-static", like_sglang=True)
+    # elastic keeps the full request (its evictions supply it)
+    elastic = plan_pool(ModelFacts.from_config(QWEN15), ELASTIC_Q15)
+    with pytest.raises(PlanError):
+        elastic.check_pool_bytes(int(16 * GIB), flag="--mem-fraction-static", like_sglang=True)

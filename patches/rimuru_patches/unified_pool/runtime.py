@@ -193,7 +193,13 @@ class RimuruRuntime:
         pool_bytes = plan.pool_bytes
         if pool_bytes is None:
             pool_bytes = int(profile_bytes())
-            plan.check_pool_bytes(pool_bytes, flag="--mem-fraction-static (the GPU memory SGLang leaves for KV)")
+            longest = plan.check_pool_bytes(pool_bytes, flag="--mem-fraction-static (the GPU memory SGLang leaves "
+                                            "for KV)", like_sglang=True)
+            if longest < plan.request_tokens:
+                logger.warning(
+                    "sglang-rimuru static pool: KV holds about %d tokens beside the resident experts, less than "
+                    "the %d-token context; requests are capped at the KV size, as SGLang caps them without the "
+                    "pool (fewer resident experts give KV more room)", longest, plan.request_tokens)
         geometry = PoolGeometry(
             total_bytes=pool_bytes, expert_page_bytes=plan.expert_page_bytes, kv_page_bytes=plan.kv_page_bytes
         )
