@@ -49,6 +49,9 @@ for run in ${RUNS:-static32 elastic32}; do
     rank) rank ;;
     static32r*) n=${run#static32r}; one "$run" 32 q15 -- --rimuru-mode static --rimuru-resident-experts "$n" --rimuru-expert-offload-limit $(( 60 - n )) ;;
     static24r*) n=${run#static24r}; one "$run" 24 q15 -- --rimuru-mode static --rimuru-resident-experts "$n" --rimuru-expert-offload-limit $(( 60 - n )) ;;
+    elastic32f) one elastic32f 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-moe-kernel fast ;;
+    elastic32cf) one elastic32cf 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-adjuster-policy cost --rimuru-moe-kernel fast ;;
+    elastic24cf) one elastic24cf 24 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 24 --rimuru-adjuster-policy cost --rimuru-moe-kernel fast ;;
     elastic32copy) one elastic32copy 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-zero-copy-max-tokens 0 --disable-cuda-graph ;;
     offload24_*) gb=${run#offload24_}; one "$run" 24 q15 -- --cpu-offload-gb "$gb" ;;
     off32)      one off32 32 q15 -- ;;
