@@ -7,6 +7,8 @@
 #   run from the repo root on the device, with .carry and .devdata carried
 #   STAGES (default "tests off static elastic") picks the parts; GRAMMAR=1 adds
 #   bench/grammar_check.py (every structured-output kind, refusals) on each server.
+#   STATIC_SPLIT (the static stage's residency flags; Qwen1.5's 50 of 60 by default) and
+#   ELASTIC_LIMIT (20) for other shapes; EXTRA_FLAGS="--tp-size 2" for TP=2 (issue 14).
 #   static_fast / static_all_fast: static / static_all with --rimuru-moe-kernel fast
 #   (the paged kernel's own configs, fused SiLU*up and top-k sum instead of SGLang's).
 #   A stage is skipped (and said so) when fewer than STAGE_S (170) seconds remain of
@@ -69,10 +71,10 @@ for stage in $STAGES; do
     static_all_fast) run static_all_fast 30005 --rimuru-mode static --rimuru-expert-offload-limit 0 \
         --rimuru-moe-kernel fast ;;
     static) BATCHES=${STATIC_BATCHES:-${BATCHES:-1,32}} run static 30001 --rimuru-mode static \
-        --rimuru-resident-experts 50 --rimuru-expert-offload-limit 10 ;;
+        ${STATIC_SPLIT:---rimuru-resident-experts 50 --rimuru-expert-offload-limit 10} ;;
     static_fast) BATCHES=${STATIC_BATCHES:-${BATCHES:-1,32}} run static_fast 30004 --rimuru-mode static \
         --rimuru-resident-experts 50 --rimuru-expert-offload-limit 10 --rimuru-moe-kernel fast ;;
-    elastic) run elastic 30002 --rimuru-mode elastic --rimuru-expert-offload-limit 20 \
+    elastic) run elastic 30002 --rimuru-mode elastic --rimuru-expert-offload-limit ${ELASTIC_LIMIT:-20} \
         --rimuru-adjuster-trace "$OUT/elastic_trace.jsonl" ;;
     esac
 done

@@ -52,6 +52,10 @@ for run in ${RUNS:-static32 elastic32}; do
     elastic32f) one elastic32f 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-moe-kernel fast ;;
     elastic32cf) one elastic32cf 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-adjuster-policy cost --rimuru-moe-kernel fast ;;
     elastic24cf) one elastic24cf 24 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 24 --rimuru-adjuster-policy cost --rimuru-moe-kernel fast ;;
+    # issue 14 (nvidia-h200-x2): Qwen3-30B-A3B at TP=2 on two 24 GB cards (27 GiB of experts per rank)
+    tp2off)     one tp2off 24 q3 -- --tp-size 2 --cpu-offload-gb 12 ;;
+    tp2static)  one tp2static 24 q3 -- --tp-size 2 --rimuru-mode static --rimuru-resident-experts 80 --rimuru-expert-offload-limit 48 ;;
+    tp2elastic) one tp2elastic 24 q3 -- --tp-size 2 --rimuru-mode elastic --rimuru-expert-offload-limit 64 ;;
     elastic32copy) one elastic32copy 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-zero-copy-max-tokens 0 --disable-cuda-graph ;;
     offload24_*) gb=${run#offload24_}; one "$run" 24 q15 -- --cpu-offload-gb "$gb" ;;
     off32)      one off32 32 q15 -- ;;
