@@ -41,36 +41,31 @@ def test_free_port_is_outside_the_ephemeral_range():
             sock.bind(("127.0.0.1", port))
 
 
-def test_a_taken_port_is_retried_on_a_new_one(tmp_path, monkeypatch):
+@pytest.fixture
+def squatter(tmp_path, monkeypatch):
+    """The stand-in launcher in place of the real one, and a socket holding a port."""
     script = tmp_path / "stand_in.py"
     script.write_text(_STAND_IN)
     monkeypatch.setattr(serving, "launcher_cmd", lambda *args: [sys.executable, str(script), *args])
-    squatter = socket.socket()
-    squatter.bind(("127.0.0.1", 0))
-    squatter.listen()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    yield sock
+    sock.close()
+
+
+def test_a_taken_port_is_retried_on_a_new_one(tmp_path, monkeypatch, squatter):
     taken = squatter.getsockname()[1]
     picks = iter([taken, serving.free_port()])
     monkeypatch.setattr(serving, "free_port", lambda: next(picks))
+    server = serving.start_local_server([], tmp_path / "log", timeout=60)
     try:
-        server = serving.start_local_server([], tmp_path / "log", timeout=60)
-        try:
-            assert server.url != f"http://127.0.0.1:{taken}"
-        finally:
-            server.stop()
+        assert server.url != f"http://127.0.0.1:{taken}"
     finally:
-        squatter.close()
+        server.stop()
 
 
-def test_three_taken_ports_give_up_with_the_log(tmp_path, monkeypatch):
-    script = tmp_path / "stand_in.py"
-    script.write_text(_STAND_IN)
-    monkeypatch.setattr(serving, "launcher_cmd", lambda *args: [sys.executable, str(script), *args])
-    squatter = socket.socket()
-    squatter.bind(("127.0.0.1", 0))
-    squatter.listen()
+def test_three_taken_ports_give_up_with_the_log(tmp_path, monkeypatch, squatter):
     monkeypatch.setattr(serving, "free_port", lambda: squatter.getsockname()[1])
-    try:
-        with pytest.raises(serving.ServerNotReady, match="three picked ports were taken"):
-            serving.start_local_server([], tmp_path / "log", timeout=60)
-    finally:
-        squatter.close()
+    with pytest.raises(serving.ServerNotReady, match="three picked ports were taken"):
+        serving.start_local_server([], tmp_path / "log", timeout=60)
