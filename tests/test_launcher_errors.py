@@ -88,6 +88,17 @@ def test_pool_too_small_for_one_expert_per_layer_and_one_request(tiny_moe):
     assert_one_line_error(proc, "--rimuru-pool-gb", "cannot hold", "one request of 4096 tokens", "at least")
 
 
+@pytest.mark.parametrize("flags, names", [
+    (["--kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype fp8_e5m2", "a quantized KV cache"]),
+    (["--speculative-algorithm", "NGRAM"], ["--speculative-algorithm NGRAM", "speculative decoding"]),
+    (["--cpu-offload-gb", "4"], ["--cpu-offload-gb 4", "the pool offloads experts itself"]),
+    (["--enable-hierarchical-cache"], ["--enable-hierarchical-cache:", "HiCache"]),
+])
+def test_sglang_features_the_pool_does_not_support(tiny_moe, flags, names):
+    proc = run_launcher("--model-path", tiny_moe, "--rimuru-mode", "elastic", *flags)
+    assert_one_line_error(proc, "--rimuru-mode elastic does not support", *names)
+
+
 def test_pool_flags_need_a_pool_mode(tiny_moe):
     proc = run_launcher("--model-path", tiny_moe, "--rimuru-resident-experts", "4")
     assert_one_line_error(proc, "--rimuru-resident-experts", "need --rimuru-mode static or elastic")

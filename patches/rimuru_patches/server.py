@@ -77,12 +77,33 @@ def _check_port(host: str, port: int) -> None:
             raise LaunchError(f"--host {host} --port {port}: cannot listen there ({exc.strerror})") from None
 
 
+#: SGLang features the pool modes do not support: (flag, is it set, what it is). Each would
+#: otherwise fail later, inside a scheduler (a quantized KV cache, quantized experts)
+#: or in ways the pool never saw (a second model beside it, another owner of the KV).
+_UNSUPPORTED = (
+    ("--ep-size", lambda a: (a.ep_size or 1) > 1, "expert parallelism"),
+    ("--pp-size", lambda a: (a.pp_size or 1) > 1, "pipeline parallelism"),
+    ("--enable-dp-attention", lambda a: a.enable_dp_attention, "data-parallel attention"),
+    ("--moe-a2a-backend", lambda a: a.moe_a2a_backend not in (None, "none"), "expert-parallel all-to-all"),
+    ("--enable-two-batch-overlap", lambda a: a.enable_two_batch_overlap, "two-batch overlap"),
+    ("--speculative-algorithm", lambda a: a.speculative_algorithm, "speculative decoding (a draft model beside the pool)"),
+    ("--quantization", lambda a: a.quantization, "quantized weights (the paged kernel reads bf16/fp16 expert pages)"),
+    ("--kv-cache-dtype", lambda a: a.kv_cache_dtype not in ("auto", "bf16", "bfloat16", "fp16", "float16"),
+     "a quantized KV cache"),
+    ("--enable-hierarchical-cache", lambda a: a.enable_hierarchical_cache, "SGLang's host KV tier (HiCache)"),
+    ("--cpu-offload-gb", lambda a: a.cpu_offload_gb, "SGLang's own weight offloading (the pool offloads experts itself)"),
+)
+
+
 def _check_pool_plan(args: argparse.Namespace, config) -> None:
     """The pool checks that must fail before any weight loads."""
     from sglang_rimuru.plan import ModelFacts, PlanError, check_host_memory, plan_pool
 
-    if (args.ep_size or 1) > 1:
-        raise LaunchError(f"--ep-size {args.ep_size}: --rimuru-mode {config.mode} does not support expert parallelism")
+    for flag, is_set, what in _UNSUPPORTED:
+        if is_set(args):
+            value = getattr(args, flag[2:].replace("-", "_"))
+            shown = flag if isinstance(value, bool) else f"{flag} {value}"
+            raise LaunchError(f"{shown}: --rimuru-mode {config.mode} does not support {what}")
     if args.page_size is None:
         args.page_size = 1
     try:
