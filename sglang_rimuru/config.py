@@ -29,6 +29,10 @@ class RimuruConfig:
     #: most experts a MoE layer may have offloaded; sizes the load buffers
     #: (default: half the layer's experts)
     expert_offload_limit: int | None = None
+    #: experts each of the two load buffers holds (default: the offload limit). Fewer
+    #: keep more of the pool for KV; offloaded experts a pass routes beyond them are
+    #: read in place from pinned host memory (a slower prefill, never a wrong one)
+    load_buffer_slots: int | None = None
     #: static mode: experts per MoE layer kept resident in the pool
     #: (default: all but the offload limit)
     resident_experts: int | None = None
@@ -65,9 +69,15 @@ class RimuruConfig:
             ("--rimuru-expert-offload-limit", self.expert_offload_limit),
             ("--rimuru-resident-experts", self.resident_experts),
             ("--rimuru-zero-copy-max-tokens", self.zero_copy_max_tokens),
+            ("--rimuru-load-buffer-slots", self.load_buffer_slots),
         ):
             if value is not None and value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
+        if (self.load_buffer_slots is not None and self.expert_offload_limit is not None
+                and self.load_buffer_slots > self.expert_offload_limit):
+            raise ValueError(f"--rimuru-load-buffer-slots {self.load_buffer_slots} is above "
+                             f"--rimuru-expert-offload-limit {self.expert_offload_limit}: a layer never has "
+                             "more experts offloaded than the limit")
         if self.pool_gb is not None and not self.pool_gb > 0:
             raise ValueError(f"--rimuru-pool-gb must be > 0, got {self.pool_gb}")
         if self.mode == "off":
@@ -112,6 +122,7 @@ class RimuruConfig:
             "--rimuru-resident-experts": self.resident_experts,
             "--rimuru-pool-gb": self.pool_gb,
             "--rimuru-expert-ranking": self.expert_ranking,
+            "--rimuru-load-buffer-slots": self.load_buffer_slots,
             "--rimuru-zero-copy-max-tokens": (None if self.zero_copy_max_tokens == self._default(
                 "--rimuru-zero-copy-max-tokens") else self.zero_copy_max_tokens),
             "--rimuru-moe-kernel": None if self.moe_kernel == self._default("--rimuru-moe-kernel") else self.moe_kernel,
@@ -156,6 +167,16 @@ class RimuruConfig:
             metavar="GIB",
             help="Size of the unified expert/KV page pool per GPU. Default: resident experts + load "
             "buffers + --max-total-tokens of KV when that is given, else what SGLang would give its KV cache.",
+        )
+        group.add_argument(
+            "--rimuru-load-buffer-slots",
+            type=int,
+            default=None,
+            metavar="N",
+            help="Experts each of the two load buffers holds (default: the offload limit). The buffers "
+            "take 2 x N x 3 expert pages for the server's life; fewer keep more of the pool for KV. "
+            "Offloaded experts a prefill routes beyond N are read in place from pinned host memory "
+            "(slower, same outputs). 0: no load buffers.",
         )
         group.add_argument(
             "--rimuru-zero-copy-max-tokens",
@@ -242,6 +263,7 @@ class RimuruConfig:
             adjuster_trace=args.rimuru_adjuster_trace,
             adjuster_policy_name=args.rimuru_adjuster_policy,
             zero_copy_max_tokens=args.rimuru_zero_copy_max_tokens,
+            load_buffer_slots=args.rimuru_load_buffer_slots,
             moe_kernel=args.rimuru_moe_kernel,
         )
 

@@ -11,7 +11,8 @@ Pool contents, in expert-page units (one routed expert = 3 expert pages:
 W1, W3, W2 of one TP shard)::
 
     1                          page holding SGLang's dummy KV slot 0
-    2 * offload_limit * 3      the two load buffers
+    2 * buffer_slots * 3       the two load buffers (slots: the offload limit unless
+                               --rimuru-load-buffer-slots says fewer)
     layers * resident * 3      resident experts
     the rest                   KV pages (and, later, experts restored by the adjuster)
 
@@ -127,6 +128,12 @@ class PoolPlan:
     request_tokens: int  # the "one request" every pool must be able to hold
     pool_bytes: int | None  # None: sized on the device from SGLang's KV budget
     mode: str = "static"
+    #: experts per load buffer; None: the offload limit
+    load_buffer_slots: int | None = None
+
+    @property
+    def buffer_slots(self) -> int:
+        return self.offload_limit if self.load_buffer_slots is None else self.load_buffer_slots
 
     @property
     def kv_pages_per_expert_page(self) -> int:
@@ -151,7 +158,7 @@ class PoolPlan:
         """Pages that are not KV: dummy slot, load buffers, resident experts
         (``resident_per_layer`` of them, default the fewest the mode allows)."""
         resident = self.min_resident_per_layer if resident_per_layer is None else resident_per_layer
-        return 1 + 2 * self.offload_limit * 3 + self.num_moe_layers * resident * 3
+        return 1 + 2 * self.buffer_slots * 3 + self.num_moe_layers * resident * 3
 
     def expert_pages_for_tokens(self, tokens: int) -> int:
         kv_pages = math.ceil(tokens / self.page_size)
@@ -189,7 +196,7 @@ class PoolPlan:
                 return self.kv_tokens_beside(pool_bytes)
         if pool_bytes < self.min_pool_bytes:
             experts = self.num_moe_layers * resident * 3 * self.expert_page_bytes
-            buffers = 2 * self.offload_limit * 3 * self.expert_page_bytes
+            buffers = 2 * self.buffer_slots * 3 * self.expert_page_bytes
             kv = self.bytes_for(self.request_tokens) - self.bytes_for(0)
             how = (f", the fewest --rimuru-expert-offload-limit {self.offload_limit} allows" if self.elastic
                    else "")
@@ -245,6 +252,9 @@ def plan_pool(
         raise PlanError(
             f"--rimuru-expert-offload-limit {limit} is above the {experts} routed experts of each MoE layer"
         )
+    if config.load_buffer_slots is not None and config.load_buffer_slots > limit:
+        raise PlanError(f"--rimuru-load-buffer-slots {config.load_buffer_slots} is above the offload limit "
+                        f"{limit}: a layer never has more experts offloaded than that")
     if config.resident_experts is not None:
         resident = config.resident_experts
     elif config.mode == "elastic":  # as many as the pool holds at start; the adjuster moves it
@@ -281,6 +291,7 @@ def plan_pool(
         num_experts=experts,
         resident_per_layer=resident,
         offload_limit=limit,
+        load_buffer_slots=config.load_buffer_slots,
         expert_page_bytes=inter * facts.hidden * dtype_bytes,
         kv_page_bytes=page_size * token_bytes,
         token_bytes=token_bytes,

@@ -50,3 +50,13 @@ def test_adjuster_policy_flag():
         parse("--rimuru-mode", "static", "--rimuru-adjuster-policy", "cost")
     with pytest.raises(SystemExit):
         parse("--rimuru-mode", "elastic", "--rimuru-adjuster-policy", "greedy")
+
+
+def test_load_buffer_slots_flag():
+    assert RimuruConfig(mode="static", expert_offload_limit=4, load_buffer_slots=1).load_buffer_slots == 1
+    with pytest.raises(ValueError, match=r"--rimuru-load-buffer-slots 5 is above --rimuru-expert-offload-limit 4"):
+        RimuruConfig(mode="elastic", expert_offload_limit=4, load_buffer_slots=5)
+    with pytest.raises(ValueError, match=r"--rimuru-load-buffer-slots must be >= 0"):
+        RimuruConfig(mode="static", load_buffer_slots=-1)
+    with pytest.raises(ValueError, match=r"--rimuru-load-buffer-slots need --rimuru-mode static or elastic"):
+        RimuruConfig(mode="off", load_buffer_slots=2)

@@ -51,6 +51,8 @@ for run in ${RUNS:-static32 elastic32}; do
     static24r*) n=${run#static24r}; one "$run" 24 q15 -- --rimuru-mode static --rimuru-resident-experts "$n" --rimuru-expert-offload-limit $(( 60 - n )) ;;
     elastic32l*) n=${run#elastic32l}; one "$run" 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit "$n" ;;
     elastic32cl*) n=${run#elastic32cl}; one "$run" 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit "$n" --rimuru-adjuster-policy cost ;;
+    elastic32s*) n=${run#elastic32s}; one "$run" 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-load-buffer-slots "$n" ;;
+    elastic32cs*) n=${run#elastic32cs}; one "$run" 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-load-buffer-slots "$n" --rimuru-adjuster-policy cost ;;
     elastic32f) one elastic32f 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-moe-kernel fast ;;
     elastic32cf) one elastic32cf 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-adjuster-policy cost --rimuru-moe-kernel fast ;;
     elastic24cf) one elastic24cf 24 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 24 --rimuru-adjuster-policy cost --rimuru-moe-kernel fast ;;

@@ -89,6 +89,7 @@ class ExpertStats:
     restore_hits: int = 0  # routed experts read from a restore's pages in the pass that copied them
     bytes_copied: int = 0  # host -> device bytes of all those copies
     in_place_layers: int = 0  # layer calls that read offloaded experts from the host in place (eager only)
+    in_place_overflow: int = 0  # routed offloaded experts read in place because the load buffer was full
 
     @property
     def prefetch_hit_rate(self) -> float:
@@ -178,9 +179,6 @@ class ExpertManager:
         if len(ours) != len(placed) + len(load_buffers.all_pages()) or (ours and max(ours) >= geo.num_expert_pages):
             raise ValueError(f"resident experts and load buffers must be on distinct pages of the pool's "
                              f"{geo.num_expert_pages} expert pages")
-        if load_buffers.slots < residency.offload_limit:
-            raise ValueError(f"load buffers have {load_buffers.slots} slots, fewer than the offload "
-                             f"limit {residency.offload_limit} (--rimuru-expert-offload-limit)")
         self.device = _normalize(torch.device(device))
         if _normalize(pool_buffer.device) != self.device:
             raise ValueError(f"pool_buffer is on {pool_buffer.device}, manager device is {self.device}")
@@ -201,6 +199,10 @@ class ExpertManager:
         if host_reads and not can:
             raise ValueError("host_reads needs a pinned host store on CUDA")
         self.host_reads = can if host_reads is None else bool(host_reads)
+        if load_buffers.slots < residency.offload_limit and not self.host_reads:
+            raise ValueError(f"load buffers have {load_buffers.slots} slots, fewer than the offload "
+                             f"limit {residency.offload_limit} (--rimuru-expert-offload-limit), and "
+                             "offloaded experts cannot be read in place (no pinned host store)")
         self._tables = {l: torch.full((e, 3), -1, dtype=torch.int32, device=self.device)
                         for l in shape.layer_ids}
         self._work = {l: torch.full((e, 3), -1, dtype=torch.int32, device=self.device)
@@ -216,7 +218,8 @@ class ExpertManager:
         #: what compute_cuda passes the paged kernel (set once, e.g. by the SGLang seam)
         self.kernel_hooks = KernelHooks()
         self._n = dict(forwards=0, layers_prepared=0, prefetched=0, prefetch_hits=0,
-                       on_demand_loads=0, restored=0, restore_hits=0, bytes_copied=0, in_place_layers=0)
+                       on_demand_loads=0, restored=0, restore_hits=0, bytes_copied=0, in_place_layers=0,
+                       in_place_overflow=0)
 
         self._cuda = self.device.type == "cuda"
         if self._cuda:
@@ -266,7 +269,8 @@ class ExpertManager:
         offloaded = self._offloaded_now[layer_id]
         if not offloaded and not self._loaded_rows[layer_id]:
             return self._tables[layer_id]  # every expert resident: no sync, graph-safe
-        ids = torch.unique(topk_ids).tolist()  # device sync
+        ids, counts = torch.stack(torch.unique(topk_ids, return_counts=True)).tolist()  # one device sync
+        token_count = dict(zip(ids, counts))
         e_count = self.shape.num_experts
         if ids and (ids[0] < 0 or ids[-1] >= e_count):
             bad = [i for i in ids if not 0 <= i < e_count]
@@ -283,13 +287,16 @@ class ExpertManager:
             st.reset(layer_id)
         hits = [e for e in needed if e in st.slot_of]
         misses = [e for e in needed if e not in st.slot_of]
+        overflow = self._fit_misses(st, misses, set(needed), token_count, layer_id)
         if misses:
             plan = self._assign_slots(st, misses, layer_id)
             self._copy_into_buffer(layer_id, b, plan, prefetch=False)
             self._n["on_demand_loads"] += len(misses)
         self._n["prefetch_hits"] += len(hits)
+        self._n["in_place_overflow"] += len(overflow)
 
-        rows = {e: self.load_buffers.pages(b, st.slot_of[e]) for e in needed}
+        # Overflow experts keep their home rows: read in place from the host store.
+        rows = {e: self.load_buffers.pages(b, st.slot_of[e]) for e in needed if e in st.slot_of}
         rows.update(restoring)
         self._update_rows(layer_id, rows)
         self._n["restore_hits"] += len(restoring)
@@ -341,6 +348,9 @@ class ExpertManager:
         if st.layer != nxt:
             st.reset(nxt)
         new = [e for e in want if e not in st.slot_of]
+        if not new:
+            return
+        new = new[: self.load_buffers.slots - len(st.slot_of)]  # a second prediction for the same layer
         if not new:
             return
         plan = self._assign_slots(st, new, nxt)
@@ -584,12 +594,37 @@ class ExpertManager:
             self.pool_flat[start: start + me].copy_(
                 self.host_store.matrix(layer, expert, m), non_blocking=non_blocking)
 
-    def _assign_slots(self, st: _BufferState, experts: list[int], layer: int) -> list[tuple[int, int]]:
-        """Give each expert the lowest slot not holding anything in this forward.
+    def _fit_misses(self, st: _BufferState, misses: list[int], needed: set[int], token_count: dict[int, int],
+                    layer: int) -> list[int]:
+        """Make ``misses`` fit the buffer's free slots; return the ones left out (in place).
 
-        Enough slots always exist: a buffer holds only experts of one layer that
-        were offloaded at the last table refresh, at most ``offload_limit <= slots``.
+        With slots >= the offload limit (the default) they always fit: a buffer
+        holds only experts of one layer offloaded at the last table refresh.
+        With fewer (``--rimuru-load-buffer-slots``), slots holding a mispredicted
+        prefetch are given back first (a copy into one waits for that prefetch),
+        then the misses with the most tokens are copied and the rest read in place
+        from the host store, where a copy would pay its PCIe time once and an
+        in-place read once per block of tokens. ``misses`` is cut in place.
         """
+        free = self.load_buffers.slots - len(st.slot_of)
+        if len(misses) <= free:
+            return []
+        for e in [e for e in st.slot_of if e not in needed]:
+            del st.slot_of[e]
+        free = self.load_buffers.slots - len(st.slot_of)
+        if len(misses) <= free:
+            return []
+        if not self.host_reads:
+            raise RuntimeError(f"layer {layer}: load buffer has {free} free slots, {len(misses)} experts "
+                               "to load, and offloaded experts cannot be read in place")
+        misses.sort(key=lambda e: -token_count[e])  # stable: ties stay in ranking order
+        overflow = misses[free:]
+        del misses[free:]
+        return overflow
+
+    def _assign_slots(self, st: _BufferState, experts: list[int], layer: int) -> list[tuple[int, int]]:
+        """Give each expert the lowest slot not holding anything in this forward
+        (``_fit_misses`` made sure there are enough)."""
         used = set(st.slot_of.values())
         free = [s for s in range(self.load_buffers.slots) if s not in used]
         if len(experts) > len(free):

@@ -181,3 +181,15 @@ def test_static_sized_by_sglang_caps_requests_like_sglang_instead_of_refusing():
     elastic = plan_pool(ModelFacts.from_config(QWEN15), ELASTIC_Q15)
     with pytest.raises(PlanError):
         elastic.check_pool_bytes(int(16 * GIB), flag="--mem-fraction-static", like_sglang=True)
+
+
+def test_fewer_load_buffer_slots_leave_more_of_the_pool_for_kv():
+    full = plan_pool(ModelFacts.from_config(QWEN15), ELASTIC_Q15)
+    small = plan_pool(ModelFacts.from_config(QWEN15), RimuruConfig(mode="elastic", expert_offload_limit=20,
+                                                                  load_buffer_slots=4))
+    assert (full.buffer_slots, small.buffer_slots) == (20, 4)
+    assert full.min_pool_bytes - small.min_pool_bytes == 2 * 16 * 3 * 5_767_168  # 96 pages, 528 MiB
+    assert small.min_pool_bytes == (1 + 2 * 4 * 3 + 24 * 40 * 3 + -(-8192 // 28)) * 5_767_168
+    # the default limit is half the experts (30); the plan checks what the flags could not
+    with pytest.raises(PlanError, match=r"--rimuru-load-buffer-slots 31 is above the offload limit 30"):
+        plan_pool(ModelFacts.from_config(QWEN15), RimuruConfig(mode="elastic", load_buffer_slots=31))

@@ -9,7 +9,7 @@ import torch
 from sglang_rimuru.experts import BufferContent, ExpertManager, ExpertStats, LoadBuffers
 from sglang_rimuru.pool import PoolBuffer, PoolGeometry
 
-from .rig import host_row, make_rig, page_holds, rows, tiny_shape
+from .rig import host_row, identity_gates, make_rig, page_holds, rows, tiny_shape
 
 LAYER0 = {3: (0, 1, 2), 1: (3, 4, 5), 4: (6, 7, 8), 0: (9, 10, 11), 5: (12, 13, 14)}
 LAYER1 = {7: (15, 16, 17), 6: (18, 19, 20), 5: (21, 22, 23), 4: (24, 25, 26), 3: (27, 28, 29)}
@@ -179,8 +179,9 @@ def test_manager_construction_checks() -> None:
     with pytest.raises(ValueError, match=r"gates\[1\] has shape \(8, 4\)"):
         ExpertManager(*args, {1: torch.zeros(8, 4)}, "cpu")
     small = type(rig.buffers)(rig.shape, rig.pool, 2)
-    with pytest.raises(ValueError, match="2 slots, fewer than the offload limit 3"):
-        ExpertManager(rig.shape, rig.buffer, rig.residency, rig.host, small, None, "cpu")
+    with pytest.raises(ValueError, match="2 slots, fewer than the offload limit 3 .* cannot be read in place"):
+        ExpertManager(rig.shape, rig.buffer, rig.residency, rig.host, small, None, "cpu", host_reads=False)
+    ExpertManager(rig.shape, rig.buffer, rig.residency, rig.host, small, None, "cpu")  # the rest read in place
     # the manager has no pool to ask: its page ids must at least be distinct and in the pool
     on_experts = LoadBuffers.of_pages(rig.shape, 3, list(range(12, 30)))  # 12..14: layer 0 expert 5
     beyond = LoadBuffers.of_pages(rig.shape, 3, list(range(50, 68)))  # a 64-page pool
@@ -255,3 +256,39 @@ def test_home_table_changes_in_place_across_eviction_and_restore() -> None:
     m.begin_forward()
     assert m.table(0) is home and home.data_ptr() == address and home[5].tolist() == list(new)
     assert torch.equal(m.compute_cpu(0, x, w, ids, home), before)
+
+
+def test_load_buffers_smaller_than_the_offload_limit_read_the_rest_in_place() -> None:
+    """--rimuru-load-buffer-slots 1 under an offload limit of 3: the routed offloaded
+    expert with the most tokens is copied, the others keep their host rows (read in
+    place); a slot holding a mispredicted prefetch is given back before anything
+    overflows. Outputs equal the all-in-place path's exactly."""
+    rig = make_rig()
+    small = LoadBuffers(rig.shape, rig.pool, 1)  # buffer 0 slot 0: pages 48-50, buffer 1 slot 0: 51-53
+    assert list(small.all_pages()) == list(range(48, 54))
+    m = ExpertManager(rig.shape, rig.buffer, rig.residency, rig.host, small, identity_gates(rig.shape), "cpu")
+    m.begin_forward()
+    # layer 0's offloaded experts 2, 7, 6 are routed 1, 2 and 3 times: 6 is copied, 7 and 2 read in place
+    routing = ids((6, 7), (6, 7), (6, 2))
+    t0 = m.prepare_layer(0, routing)
+    assert rows(t0) == {**LAYER0, 6: (48, 49, 50)}
+    assert t0[7].tolist() == host_row(7) and t0[2].tolist() == host_row(2)
+    assert m.buffer_content(0) == BufferContent(0, {6: 0}) and page_holds(rig, 49, 0, 6, 1)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 8, generator=g).to(torch.bfloat16)
+    w = torch.softmax(torch.randn(3, 2, generator=g), dim=-1)
+    assert torch.equal(m.compute(0, x, w, routing, t0), m.compute(0, x, w, routing, m.table(0)))
+    assert m.stats() == ExpertStats(forwards=1, layers_prepared=1, on_demand_loads=1, bytes_copied=XB,
+                                    in_place_overflow=2)
+
+    # layer 1 (offloaded 2, 1, 0): the prefetch predicts 1 and 0, and keeps the one slot for 1
+    m.prefetch_next(0, tokens({1: 5, 0: 4}))
+    assert m.buffer_content(1) == BufferContent(1, {1: 0})
+    # but the pass routes 2: the mispredicted slot is given back, 2 copied into it
+    t1 = m.prepare_layer(1, ids((2, 5)))
+    assert m.buffer_content(1) == BufferContent(1, {2: 0})
+    assert rows(t1) == {**LAYER1, 2: (51, 52, 53)} and t1[1].tolist() == host_row(1)
+    assert page_holds(rig, 53, 1, 2, 2)
+    assert m.stats() == ExpertStats(forwards=1, layers_prepared=2, prefetched=1, on_demand_loads=2,
+                                    bytes_copied=3 * XB, in_place_overflow=2)
+    m.end_forward()

@@ -187,3 +187,27 @@ def test_dummy_weights_serve_alike_in_static_mode(tmp_path, model_dir):
     got, log = run(STATIC, "static")
     assert got == expected
     assert "Traceback" not in log
+
+
+def test_one_load_buffer_slot_serves_alike(tmp_path, model_dir):
+    """``--rimuru-load-buffer-slots 1`` under an offload limit of 4, every pass on the
+    copy path: a layer's routed offloaded experts beyond the one slot are read in place
+    from host memory; greedy ids equal mode off's, and the log counts the overflow."""
+    path = str(ensure_model("tiny-qwen3-moe", cache_dir=model_dir))
+    base = ["--model-path", path, "--max-total-tokens", "4096"]
+
+    def run(args, name):
+        srv = start_server(base + args, tmp_path / f"{name}.log", env={"SGLANG_RIMURU_STATS_EVERY": "4"})
+        try:
+            return [generate(srv, "The unified page pool", max_new_tokens=12)["output_ids"],
+                    [o["output_ids"] for o in generate(srv, PROMPTS_16, max_new_tokens=8)]], srv.log()
+        finally:
+            srv.stop()
+
+    expected, _ = run([], "off")
+    got, log = run([*STATIC, "--rimuru-load-buffer-slots", "1"], "static")
+    assert got == expected
+    assert "Traceback" not in log
+    assert "load buffers 2 x 1" in log
+    overflow = [int(n) for n in re.findall(r"(\d+) routed experts read in place past full load buffers", log)]
+    assert overflow and max(overflow) > 0  # the path under test was taken

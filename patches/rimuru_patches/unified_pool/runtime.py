@@ -213,7 +213,7 @@ class RimuruRuntime:
         )
         # The pool's placement, and the scheduler side's view of it (the adjuster's in elastic mode)
         residency = ExpertResidency(shape, ranking, plan.offload_limit)
-        load_buffers = LoadBuffers(shape, page_pool, slots=plan.offload_limit)
+        load_buffers = LoadBuffers(shape, page_pool, slots=plan.buffer_slots)
         cls._place_residents(plan, config, shape, page_pool, ranking, residency)
         gates = {layer_id: gate for layer_id, (_, gate) in layers.items()}
         # The TP worker's own residency and load buffers, built from plain page ids: the
@@ -254,7 +254,7 @@ class RimuruRuntime:
             _range(residency.num_resident(l) for l in shape.layer_ids),
             shape.num_experts,
             len(shape.layer_ids),
-            plan.offload_limit,
+            plan.buffer_slots,
             page_pool.kv_capacity_now() * plan.page_size,
             runtime.kv_capacity_tokens,
             len(shape.layer_ids) * shape.num_experts,
@@ -400,7 +400,7 @@ class RimuruRuntime:
         logger.info(
             "sglang-rimuru experts after %d forwards: %d prefetched, %d prefetch hits (%.0f%%), "
             "%d on-demand loads, %.1f MiB copied host->device; %d layer calls read offloaded experts "
-            "in place (outside CUDA graphs)",
+            "in place (outside CUDA graphs); %d routed experts read in place past full load buffers",
             stats.forwards,
             stats.prefetched,
             stats.prefetch_hits,
@@ -408,6 +408,7 @@ class RimuruRuntime:
             stats.on_demand_loads,
             stats.bytes_copied / (1 << 20),
             stats.in_place_layers,
+            stats.in_place_overflow,
         )
 
     def moe_forward(self, layer, dispatch_output):
