@@ -6,8 +6,9 @@ other.  Each buffer has ``slots`` slots of three expert pages (W1, W3, W2)::
 
     buffer b, slot s, matrix m  ->  one expert page owned by ("load_buffer", b, s, m)
 
-``slots`` is the offload limit: a layer never has more offloaded experts than
-that, so every offloaded expert a step needs fits at once.  The pages are
+``slots`` is the offload limit by default: a layer never has more offloaded
+experts than that, so every offloaded expert a step needs fits at once (fewer
+slots: the rest are read in place, ``ExpertManager._fit_misses``).  The pages are
 ordinary pool pages, so the paged MoE kernel reads a loaded expert exactly as
 it reads a resident one.
 
@@ -53,8 +54,8 @@ class LoadBuffers:
         if pages is None:
             free = page_pool.free_expert_page_count()
             raise NotEnoughPagesError(
-                f"the two expert load buffers ({slots} slots each, "
-                f"--rimuru-expert-offload-limit={slots}) need {len(owners)} expert pages "
+                f"the two expert load buffers ({slots} slots each: --rimuru-load-buffer-slots, by "
+                f"default --rimuru-expert-offload-limit) need {len(owners)} expert pages "
                 f"({len(owners) * page_pool.geometry.expert_page_bytes} B), the pool has {free} free")
         self._set(shape, slots, pages)
 
