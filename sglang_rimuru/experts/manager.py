@@ -347,10 +347,8 @@ class ExpertManager:
         st = self._bufs[b]
         if st.layer != nxt:
             st.reset(nxt)
-        new = [e for e in want if e not in st.slot_of]
-        if not new:
-            return
-        new = new[: self.load_buffers.slots - len(st.slot_of)]  # a second prediction for the same layer
+        # (at most the free slots: a second prediction for a layer finds some taken)
+        new = [e for e in want if e not in st.slot_of][: self.load_buffers.slots - len(st.slot_of)]
         if not new:
             return
         plan = self._assign_slots(st, new, nxt)
