@@ -192,8 +192,9 @@ class PoolPlan:
         """
         resident = self.min_resident_per_layer
         if pool_bytes < self.min_pool_bytes and like_sglang and not self.elastic:
-            if self.kv_tokens_beside(pool_bytes) >= 2:
-                return self.kv_tokens_beside(pool_bytes)
+            capped = self.kv_tokens_beside(pool_bytes)
+            if capped >= 2:
+                return capped
         if pool_bytes < self.min_pool_bytes:
             experts = self.num_moe_layers * resident * 3 * self.expert_page_bytes
             buffers = 2 * self.buffer_slots * 3 * self.expert_page_bytes

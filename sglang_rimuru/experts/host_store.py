@@ -141,9 +141,17 @@ class HostExpertStore:
         s = self.shape
         self._check("w13", w13, (s.num_experts, 2 * s.inter, s.hidden))
         self._check("w2", w2, (s.num_experts, s.hidden, s.inter))
-        dst = self.layer_tensor(layer)
-        dst[:, 0:2].copy_(w13.reshape(s.num_experts, 2, s.matrix_elems))
-        dst[:, 2].copy_(w2.reshape(s.num_experts, s.matrix_elems))
+        dst13, dst2 = self.fused_views(self.layer_tensor(layer), s.inter, s.hidden)
+        dst13.copy_(w13)
+        dst2.copy_(w2)
+
+    @staticmethod
+    def fused_views(layer_tensor: torch.Tensor, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """SGLang's ``w13 [E, 2*inter, hidden]`` and ``w2 [E, hidden, inter]`` as views
+        (no copy) of a ``[E, 3, inter*hidden]`` layer tensor in this store's layout."""
+        experts = layer_tensor.shape[0]
+        return (layer_tensor[:, 0:2].view(experts, 2 * inter, hidden),
+                layer_tensor[:, 2].view(experts, hidden, inter))
 
     def _check(self, name: str, w: torch.Tensor, want: tuple[int, ...]) -> None:
         if not isinstance(w, torch.Tensor):

@@ -41,7 +41,7 @@ import logging
 
 import torch
 
-from sglang_rimuru.experts.host_store import pinned_empty
+from sglang_rimuru.experts.host_store import HostExpertStore, pinned_empty
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +60,6 @@ def take() -> dict[int, torch.Tensor]:
     return out
 
 
-def layer_views(host: torch.Tensor, experts: int, inter: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w13 [E, 2*inter, hidden]`` and ``w2 [E, hidden, inter]`` as views of ``host [E, 3, inter*hidden]``."""
-    w13 = host[:, 0:2].view(experts, 2 * inter, hidden)
-    w2 = host[:, 2].view(experts, hidden, inter)
-    return w13, w2
-
-
 def _rehome(layer: torch.nn.Module, name: str, data: torch.Tensor) -> None:
     """Replace parameter ``name`` (on the meta device) by one over ``data``, keeping its attributes."""
     old = layer._parameters[name]
@@ -78,14 +71,10 @@ def _rehome(layer: torch.nn.Module, name: str, data: torch.Tensor) -> None:
 
 def wrap_load_model(orig, ctx):
     def load_model(self, *args, **kwargs):
-        global _PLACING
         if getattr(self, "is_draft_worker", False):
             return orig(self, *args, **kwargs)
-        _PLACING = True
-        try:
+        with placing():
             return orig(self, *args, **kwargs)
-        finally:
-            _PLACING = False
 
     return load_model
 
@@ -107,7 +96,7 @@ def wrap_create_weights(orig, ctx):
         inter = intermediate_size_per_partition
         size = (num_experts, 3, inter * hidden_size)
         host = pinned_empty(size, params_dtype) if pin else torch.empty(size, dtype=params_dtype, device="cpu")
-        w13, w2 = layer_views(host, num_experts, inter, hidden_size)
+        w13, w2 = HostExpertStore.fused_views(host, inter, hidden_size)
         _rehome(layer, "w13_weight", w13)
         _rehome(layer, "w2_weight", w2)
         _HOSTED[layer_id] = host
@@ -159,7 +148,8 @@ def wrap_dummy_weights(orig, ctx):
 
 @contextlib.contextmanager
 def placing():
-    """Place experts on the host inside this block (tests build layers without a ModelRunner)."""
+    """Place experts on the host inside this block (the main model's load; tests build
+    layers without a ModelRunner)."""
     global _PLACING
     _PLACING = True
     try:
