@@ -146,6 +146,9 @@ def _round(orig, ctx):
                 _free_cache_for_restores(self, ctl)
         busy = plan.batch_to_run is not None or bool(self.waiting_queue) or not plan.running_batch.is_empty()
         running = len(plan.running_batch.reqs) if plan.running_batch is not None else 0
+        batch = plan.batch_to_run
+        if batch is not None and batch is not plan.running_batch and batch.forward_mode.is_extend():
+            running += len(batch.reqs)  # this round's prefill joins the decode batch next
         if ctl.adjuster.cost is not None:
             _StepTiming.round(self, ctl, plan.batch_to_run)
         ctl.round(forward_follows=plan.batch_to_run is not None, waiting=len(self.waiting_queue), busy=busy,
@@ -211,8 +214,9 @@ class _StepTiming:
 
     The time between two consecutive decode rounds is one decode step of the
     first round's batch (under the overlap scheduler, whichever of the GPU pass
-    and the CPU's scheduling is longer: what bounds throughput). Every
-    ``REFIT_ROUNDS`` rounds the fitted line replaces the cost model's; at TP > 1
+    and the CPU's scheduling is longer: what bounds throughput), with the
+    offloaded experts it was expected to read. Every ``REFIT_ROUNDS`` rounds the
+    fit (step line and per-expert PCIe time) replaces the cost model's; at TP > 1
     rank 0's fit is broadcast over SGLang's TP CPU group so that every rank
     plans with the same numbers (the orders must agree).
     """
@@ -220,6 +224,8 @@ class _StepTiming:
     REFIT_ROUNDS = 256
     clock = None
     last: tuple[float, int] | None = None  # (time, batch size) of the last decode round
+    reads_key: tuple | None = None  # (last order seq, orders in flight, batch) of ``reads``
+    reads = 0.0
     rounds = 0
 
     @classmethod
@@ -228,13 +234,21 @@ class _StepTiming:
 
         from sglang_rimuru.adjuster.cost import StepClock
 
-        cost = ctl.adjuster.cost
+        adjuster = ctl.adjuster
+        cost = adjuster.cost
         if cls.clock is None:
-            cls.clock = StepClock(prior=(cost.base_ms, cost.per_request_ms))
+            cls.clock = StepClock(prior=(cost.base_ms, cost.per_request_ms, cost.expert_ms))
         now = time.monotonic()
         decode = batch is not None and batch.forward_mode.is_decode()
         if decode and cls.last is not None:
-            cls.clock.record(cls.last[1], 1e3 * (now - cls.last[0]))
+            # the step's expected offloaded reads (experts out now ~ out then) keep
+            # their PCIe time out of the per-request slope (cost.py: the ratchet)
+            key = (adjuster.last_seq, len(adjuster.in_flight), cls.last[1])
+            if key != cls.reads_key:  # the set out changes only with orders: once per order and batch
+                cls.reads_key = key
+                cls.reads = cost.expected_reads(adjuster.offloaded_token_probabilities(), cls.last[1])
+            reads = cls.reads
+            cls.clock.record(cls.last[1], 1e3 * (now - cls.last[0]), reads)
         cls.last = (now, len(batch.reqs)) if decode else None
         cls.rounds += 1
         if cls.rounds % cls.REFIT_ROUNDS:
@@ -247,7 +261,11 @@ class _StepTiming:
             box = [fit]
             dist.broadcast_object_list(box, src=group.ranks[0], group=group.cpu_group)
             fit = box[0]
-        ctl.adjuster.cost = dataclasses.replace(cost, base_ms=fit[0], per_request_ms=fit[1])
+        try:
+            adjuster.cost = dataclasses.replace(cost, base_ms=fit[0], per_request_ms=fit[1], expert_ms=fit[2])
+        except ValueError as e:  # a fit CostModel refuses: keep the last one, say so
+            logger.warning("sglang-rimuru cost-aware adjuster: step fit %s refused (%s); keeping %s", fit, e, cost)
+
 
 
 class _Metrics:

@@ -70,14 +70,18 @@ __all__ = ["Adjuster", "AdjusterStats", "Load", "RoundRecord"]
 class Load(NamedTuple):
     """What the scheduler runs and what an eviction would buy (for a cost-aware adjuster).
 
-    ``running``: requests in the decode batch; ``admits``: requests the demand's
-    pages would let in (prefill) — for a decode shortfall (``urgent``), the one
-    request SGLang would otherwise retract.
+    ``running``: requests in the decode batch (and the prefill batch about to
+    join it); ``admits``: requests the demand's pages would let in (prefill) —
+    for a decode shortfall (``urgent``), the one request SGLang would otherwise
+    retract; ``waiting``: requests in SGLang's waiting queue (a queue fills
+    whatever KV an eviction frees, so a prefill shortfall is priced at the batch
+    the KV holds, not the one running now).
     """
 
     running: int
     admits: int
     urgent: bool = False
+    waiting: int = 0
 
 
 class RoundRecord(NamedTuple):
@@ -350,12 +354,28 @@ class Adjuster:
     def _pays(self, victims, load: Load, decision: Decision) -> bool:
         cost, offloaded = self.cost, self.offloaded_token_probabilities()
         new = [self._token_p[l][e] for l, e in victims]
-        if load.urgent:
-            return cost.keep_beats_retract(load.running, offloaded, new)
-        if decision.reason == "low_water":
+        if decision.reason == "low_water" and not load.urgent:
             # pre-emptive: only victims so cold that their price is within the margin of a step
             return cost.offload_ms(new, load.running) <= cost.margin * cost.step_ms(load.running)
-        return cost.eviction_pays(load.running, load.admits, offloaded, new)
+        # the KV sizes that price bringing experts back instead (cost.py: no ratchet)
+        pool, geo = self.page_pool, self.page_pool.geometry
+        kv_per_expert = self.policy.pages_per_expert * geo.expert_page_bytes / geo.kv_page_bytes
+        kv_used = pool.stats().kv_pages_used
+        kv_per_request = kv_used / load.running if load.running > 0 else 0.0
+        if load.urgent:
+            return cost.keep_beats_retract(load.running, offloaded, new, kv_per_request, kv_per_expert)
+        batch, admits = load.running, load.admits
+        if kv_per_request > 0 and load.waiting > 0:
+            # The queue will fill the KV either way: compare the batch today's KV holds
+            # with the one it holds with the victims' pages too. (Priced at the batch
+            # running now, victims look cheap while it is small - each is touched by few
+            # steps - and every expert is read by every step once the freed KV has filled.)
+            most = load.running + load.waiting
+            cap = kv_used + pool.kv_capacity_now()
+            batch = max(load.running, min(most, int(cap // kv_per_request)))
+            after = min(most, int((cap + len(victims) * kv_per_expert) // kv_per_request))
+            admits = max(load.running + load.admits, after) - batch
+        return cost.eviction_pays(batch, admits, offloaded, new, kv_per_request, kv_per_expert)
 
     def _lookup(self, order: MigrationOrder | int) -> MigrationOrder:
         seq = order.seq if isinstance(order, MigrationOrder) else order

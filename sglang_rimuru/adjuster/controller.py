@@ -232,7 +232,7 @@ class ElasticController:
             from .adjuster import Load
 
             load = Load(running=self._running, admits=1 if urgent else max(1, self._demand_requests),
-                        urgent=urgent)
+                        urgent=urgent, waiting=self._waiting)
         order = self.adjuster.plan_round(round_no, short, load) if load is not None \
             else self.adjuster.plan_round(round_no, short)
         self._round += 1

@@ -25,12 +25,25 @@ with ``C`` the offloaded experts' cost now (at the new batch size on the left)
 and ``c_new`` the new victims'. With a waiting queue and nobody running (B = 0)
 admitting is always worth it. Restoring an offloaded expert never hurts a step;
 it costs KV pages, which matter only while requests wait.
+
+That test alone is a ratchet (measured on the H200, bench/RESULTS.md): it asks
+only whether one more step of offloading beats the state now. Once many experts
+are out a step is dominated by their PCIe time, more requests per step look
+nearly free, and every further eviction passes, down to the offload limit, at a
+third of plain SGLang's throughput under uniform routing. So an eviction must
+also beat the states that bring experts *back* into the KV pages of fewer
+requests (``restored_throughput``): with ``j`` experts back a step runs
+``batch - ceil(j * kv_per_expert / kv_per_request)`` requests. From every
+expert resident that reference is plain SGLang's operating point, and the pool
+never leaves it unless offloading beats it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+
+import torch
 
 __all__ = ["CostModel", "StepClock", "touched"]
 
@@ -78,9 +91,14 @@ class CostModel:
         """A decode step of ``batch`` requests with every expert resident."""
         return self.base_ms + self.per_request_ms * max(0, batch)
 
+    @staticmethod
+    def expected_reads(probabilities: Iterable[float], batch: int) -> float:
+        """Offloaded experts (with these probabilities) a step of ``batch`` reads, expected."""
+        return sum(touched(p, batch) for p in probabilities)
+
     def offload_ms(self, probabilities: Iterable[float], batch: int) -> float:
         """Expected PCIe time per step of the offloaded experts with these probabilities."""
-        return sum(touched(p, batch) for p in probabilities) * self.expert_ms
+        return self.expected_reads(probabilities, batch) * self.expert_ms
 
     def throughput(self, batch: int, offloaded: Iterable[float]) -> float:
         """Decode tokens per ms at ``batch`` with ``offloaded`` experts' probabilities."""
@@ -88,66 +106,128 @@ class CostModel:
             return 0.0
         return batch / (self.step_ms(batch) + self.offload_ms(offloaded, batch))
 
-    def eviction_pays(self, batch: int, admit: int, offloaded: list[float], victims: list[float]) -> bool:
-        """Whether offloading ``victims`` to run ``admit`` more requests beats not doing it."""
+    def restored_throughput(self, batch: int, offloaded: list[float], kv_per_request: float,
+                            kv_per_expert: float) -> float:
+        """The best decode throughput among the states that bring offloaded experts back
+        into the KV pages of requests not run instead (the most touched come back
+        first); 0 when no such state runs a request. KV in any unit, the same for both."""
+        if batch <= 1 or not offloaded or kv_per_request <= 0 or kv_per_expert <= 0:
+            return 0.0
+        n = len(offloaded)
+        # every smaller batch b, and the most experts the KV of (batch - b) requests holds
+        b = torch.arange(batch - 1, 0, -1, dtype=torch.float64)
+        j = torch.clamp(torch.floor((batch - b) * kv_per_request / kv_per_expert), max=n)
+        keep = j > 0
+        if not bool(keep.any()):
+            return 0.0
+        b, j = b[keep], j[keep]
+        # all back at some b: a smaller batch only loses tokens per step
+        first_all = torch.nonzero(j == n)
+        if len(first_all):
+            b, j = b[: int(first_all[0]) + 1], j[: int(first_all[0]) + 1]
+        p = torch.tensor(sorted(offloaded, reverse=True), dtype=torch.float64).clamp(0.0, 1.0)
+        reads = 1.0 - (1.0 - p[None, :]) ** b[:, None]  # touched(p, b), one row per b
+        still_out = torch.arange(n, dtype=torch.float64)[None, :] >= j[:, None]
+        offload = (reads * still_out).sum(dim=1) * self.expert_ms
+        return float((b / (self.base_ms + self.per_request_ms * b + offload)).max())
+
+    def eviction_pays(self, batch: int, admit: int, offloaded: list[float], victims: list[float],
+                      kv_per_request: float = 0.0, kv_per_expert: float = 0.0) -> bool:
+        """Whether offloading ``victims`` to run ``admit`` more requests beats not doing it,
+        and (given the KV sizes) beats bringing offloaded experts back instead."""
         if admit <= 0:
             return False
         if batch <= 0:
             return True  # nothing runs: any request admitted is pure gain
         now = self.throughput(batch, offloaded)
+        ref = max(now, self.restored_throughput(batch, offloaded, kv_per_request, kv_per_expert))
         after = self.throughput(batch + admit, [*offloaded, *victims])
-        return after > (1.0 + self.margin) * now
+        return after > (1.0 + self.margin) * ref
 
-    def keep_beats_retract(self, batch: int, offloaded: list[float], victims: list[float]) -> bool:
+    def keep_beats_retract(self, batch: int, offloaded: list[float], victims: list[float],
+                           kv_per_request: float = 0.0, kv_per_expert: float = 0.0) -> bool:
         """Decode is short of KV: offload ``victims`` and keep all ``batch`` requests, or
         let SGLang retract one (which also redoes its prefill later: not counted, so
-        this leans towards retracting)."""
+        this leans towards retracting) and, given the KV sizes, maybe bring experts back."""
         if batch <= 1:
             return True
         keep = self.throughput(batch, [*offloaded, *victims])
         retract = self.throughput(batch - 1, offloaded)
-        return keep > (1.0 + self.margin) * retract
+        ref = max(retract, self.restored_throughput(batch - 1, offloaded, kv_per_request, kv_per_expert))
+        return keep > (1.0 + self.margin) * ref
 
 
 class StepClock:
-    """Decode step times by batch size, fitted as ``base_ms + per_request_ms * B``.
+    """Decode step times, fitted as ``base_ms + per_request_ms * B + expert_ms * R``.
 
-    The integrator records the time between two consecutive decode rounds and the
-    batch size; ``fit`` is a least-squares line over the last ``window`` records
-    (clamped to non-negative terms), or ``prior`` while fewer than ``min_samples``
-    records span at least two batch sizes (then the prior's slope with the mean's
-    intercept, once there is any record). Deterministic given the same records.
+    The integrator records, per decode step, the time between two consecutive
+    decode rounds, the batch size ``B`` and ``R``: the offloaded experts the step
+    was expected to read (``sum(touched(p, B))`` over the experts out then).
+    Without ``R`` the offloaded experts' PCIe time would land in the per-request
+    slope, and a pool with many experts out would price a request far above an
+    expert: the ratchet ``CostModel`` guards against.
+
+    ``fit`` is least squares over the last ``window`` records. ``expert_ms`` is
+    fitted only when ``R`` varies on its own (not almost a function of ``B``:
+    squared correlation under ``MAX_R2``) over at least ``min_samples`` records
+    with ``R > 0``, and comes out positive; otherwise the prior's ``expert_ms`` is
+    subtracted and ``base + per * B`` fitted to the rest. While fewer than
+    ``min_samples`` records span two batch sizes: the prior's slopes with the
+    mean's intercept. Negative terms are clamped to 0; a line that clamps to
+    nothing (the reads explain every step, as in a PCIe-bound run on the H200)
+    is never returned: the prior's line is. Deterministic.
     """
 
-    def __init__(self, prior: tuple[float, float], window: int = 512, min_samples: int = 32) -> None:
+    MAX_R2 = 0.9
+    MIN_STEP_MS = 1e-3  # a resident step's line must leave at least 1 us at batch 1
+
+    def __init__(self, prior: tuple[float, float, float], window: int = 512, min_samples: int = 32) -> None:
         if window < 2 or min_samples < 2:
             raise ValueError("StepClock: window and min_samples must be >= 2")
-        self.prior = (float(prior[0]), float(prior[1]))
+        if len(prior) != 3:
+            raise ValueError(f"StepClock: prior is (base_ms, per_request_ms, expert_ms), got {prior!r}")
+        self.prior = tuple(float(v) for v in prior)
         self.window = window
         self.min_samples = min_samples
-        self._samples: list[tuple[int, float]] = []
+        self._samples: list[tuple[int, float, float]] = []
 
-    def record(self, batch: int, ms: float) -> None:
-        if batch <= 0 or not ms > 0:
+    def record(self, batch: int, ms: float, reads: float = 0.0) -> None:
+        if batch <= 0 or not ms > 0 or not reads >= 0:
             return
-        self._samples.append((int(batch), float(ms)))
+        self._samples.append((int(batch), float(ms), float(reads)))
         if len(self._samples) > self.window:
             del self._samples[: len(self._samples) - self.window]
 
     def __len__(self) -> int:
         return len(self._samples)
 
-    def fit(self) -> tuple[float, float]:
-        """``(base_ms, per_request_ms)``."""
-        xs = [b for b, _ in self._samples]
-        ys = [t for _, t in self._samples]
-        n = len(xs)
-        base0, per0 = self.prior
+    def fit(self) -> tuple[float, float, float]:
+        """``(base_ms, per_request_ms, expert_ms)``."""
+        base0, per0, exp0 = self.prior
+        n = len(self._samples)
         if n == 0:
             return self.prior
-        mx, my = sum(xs) / n, sum(ys) / n
+        xs = [b for b, _, _ in self._samples]
+        rs = [r for _, _, r in self._samples]
+        ys = [t for _, t, _ in self._samples]
+        mx, mr, my = sum(xs) / n, sum(rs) / n, sum(ys) / n
         sxx = sum((x - mx) ** 2 for x in xs)
         if n < self.min_samples or sxx == 0:
-            return max(0.0, my - per0 * mx), per0
-        per = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx)
-        return max(0.0, my - per * mx), per
+            return max(0.0, my - per0 * mx - exp0 * mr), per0, exp0
+        srr = sum((r - mr) ** 2 for r in rs)
+        sxr = sum((x - mx) * (r - mr) for x, r in zip(xs, rs))
+        sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+        sry = sum((r - mr) * (y - my) for r, y in zip(rs, ys))
+        det = sxx * srr - sxr * sxr
+        if sum(r > 0 for r in rs) >= self.min_samples and srr > 0 and det > (1 - self.MAX_R2) * sxx * srr:
+            per = (srr * sxy - sxr * sry) / det
+            exp = (sxx * sry - sxr * sxy) / det
+            base = max(0.0, my - per * mx - exp * mr)
+            if per >= 0 and exp > 0 and base + per > self.MIN_STEP_MS:
+                return base, per, exp
+        # expert_ms from the prior: fit the line to what is left
+        per = max(0.0, (sxy - exp0 * sxr) / sxx)
+        base = max(0.0, my - per * mx - exp0 * mr)
+        if base + per > self.MIN_STEP_MS:
+            return base, per, exp0
+        return base0, per0, exp0  # the reads explain every step (the prior's line is kept)

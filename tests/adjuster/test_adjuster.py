@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -353,3 +354,52 @@ def test_token_probabilities_follow_the_ranking_scaled_to_top_k():
     s = 2 / 0.95
     want = [.04 * s, .02 * s, .02 * s, .01 * s, .25, .25]
     assert sorted(adj.offloaded_token_probabilities()) == pytest.approx(sorted(want))
+
+
+def test_no_ratchet_an_eviction_must_beat_bringing_experts_back():
+    """The KV the running requests hold prices the alternative: fewer requests, experts back
+    (cost.py). Here the marginal test alone would evict four experts for eight requests;
+    bringing layer 2's hot experts back into the KV of a few requests beats it."""
+    from sglang_rimuru.adjuster import Load
+    from sglang_rimuru.adjuster.cost import CostModel
+
+    def rig_with_kv():
+        rig = make_rig(pages=100)  # 46 free expert pages
+        assert rig.pool.alloc_kv_pages(92) is not None  # all of them: 23 requests of 4 KV pages
+        return rig
+
+    cost = CostModel(expert_ms=0.1, base_ms=1.0, per_request_ms=0.05)
+    load = Load(running=23, admits=8)
+    free = Adjuster(AdjusterPolicy(), (r := rig_with_kv()).pool, r.residency, r.ranking,
+                    cost=dataclasses.replace(cost, expert_ms=1e-9))
+    victims = [(m.layer, m.expert) for m in free.plan_round(0, 20, load).evict]
+    assert len(victims) == 4
+    adj = Adjuster(AdjusterPolicy(), (r := rig_with_kv()).pool, r.residency, r.ranking, cost=cost)
+    offloaded = adj.offloaded_token_probabilities()
+    new = [adj._token_p[l][e] for l, e in victims]
+    assert cost.eviction_pays(23, 8, offloaded, new)  # the marginal test alone
+    kv_per_expert = 3 * 64 / 32  # three expert pages of two KV pages
+    assert not cost.eviction_pays(23, 8, offloaded, new, 92 / 23, kv_per_expert)
+    assert adj.plan_round(0, 20, load) is None
+    assert adj.stats().decisions["priced_out"] == 1
+
+
+def test_a_queue_prices_the_eviction_at_the_batch_the_kv_will_hold():
+    """Two requests run, forty wait: the freed KV fills either way, so victims are
+    priced at the batch the KV holds (23 requests of 4 pages), where every step reads
+    them, not at today's batch of two, where they look almost free."""
+    from sglang_rimuru.adjuster import Load
+    from sglang_rimuru.adjuster.cost import CostModel
+
+    def plan(waiting):
+        rig = make_rig(pages=100)  # 46 free expert pages: 92 KV pages
+        for _ in range(2):
+            assert rig.pool.alloc_kv_pages(4) is not None
+        adj = Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking,
+                       cost=CostModel(expert_ms=0.05, base_ms=0.1, per_request_ms=0.01))
+        return adj, adj.plan_round(0, 100, Load(running=2, admits=2, waiting=waiting))
+
+    _, order = plan(waiting=0)  # nothing waits beyond the head: today's batch decides
+    assert len(order.evict) == 3
+    adj, order = plan(waiting=40)
+    assert order is None and adj.stats().decisions["priced_out"] == 1

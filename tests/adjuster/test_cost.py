@@ -68,24 +68,120 @@ def test_bad_numbers(bad):
     assert math.isfinite(QWEN15.throughput(5, [UNIFORM]))
 
 
+# Qwen1.5-MoE-A2.7B's KV: 24 layers x K and V x 16 heads x 128 x bf16 = 196,608 B a token,
+# so one expert's 17,301,504 B hold 88 tokens of KV; ShareGPT requests hold ~500
+KV_PER_EXPERT, KV_PER_REQUEST = 17_301_504 / 196_608, 500
+
+
+def test_the_marginal_test_alone_ratchets_and_the_restored_reference_stops_it():
+    # 240 uniform experts out (10 a layer): a step is mostly PCIe, so three more short
+    # requests look worth six more experts out, step after step (what the H200 run did)
+    out = [UNIFORM] * 240
+    assert QWEN15.eviction_pays(60, 3, out, [UNIFORM] * 6)
+    # bringing all 240 back into the KV of 43 requests runs 17 at 4 tokens/ms, not 0.7
+    assert not QWEN15.eviction_pays(60, 3, out, [UNIFORM] * 6, KV_PER_REQUEST, KV_PER_EXPERT)
+    # a decode shortfall: keeping 40 with one more out beats retracting one, marginally...
+    assert QWEN15.keep_beats_retract(40, [UNIFORM] * 200, [UNIFORM])
+    # ...not against retracting and bringing experts back
+    assert not QWEN15.keep_beats_retract(40, [UNIFORM] * 200, [UNIFORM], KV_PER_REQUEST, KV_PER_EXPERT)
+
+
+def test_cold_experts_still_go_with_the_reference():
+    cold = [0.0005] * 6
+    assert QWEN15.eviction_pays(30, 1, [], cold, KV_PER_REQUEST, KV_PER_EXPERT)
+    # cold ones already out: bringing them back saves nothing and costs requests
+    assert QWEN15.eviction_pays(30, 1, cold * 5, cold, KV_PER_REQUEST, KV_PER_EXPERT)
+    assert QWEN15.keep_beats_retract(30, cold * 5, cold, KV_PER_REQUEST, KV_PER_EXPERT)
+
+
+def test_restored_throughput_by_hand():
+    t = touched
+    # batch 3, two uniform experts out, one expert's KV = one request's: with one back
+    # 2 requests run, with both back 1
+    two_run = 2 / (QWEN15.step_ms(2) + t(UNIFORM, 2) * QWEN15.expert_ms)
+    one_runs = 1 / QWEN15.step_ms(1)
+    assert QWEN15.restored_throughput(3, [UNIFORM, UNIFORM], 100, 100) == pytest.approx(max(two_run, one_runs))
+    # the most touched comes back first
+    got = QWEN15.restored_throughput(3, [0.01, 0.5], 100, 100)
+    assert got == pytest.approx(max(2 / (QWEN15.step_ms(2) + t(0.01, 2) * QWEN15.expert_ms), one_runs))
+    # an expert needs the KV of two requests: batch 3 gets to 1 with one back
+    assert QWEN15.restored_throughput(3, [0.5, 0.5], 50, 100) == pytest.approx(
+        1 / (QWEN15.step_ms(1) + t(0.5, 1) * QWEN15.expert_ms))
+    # nothing out, no KV sizes, or no request left to give up: no such state
+    assert QWEN15.restored_throughput(3, [], 100, 100) == 0.0
+    assert QWEN15.restored_throughput(3, [UNIFORM], 0, 0) == 0.0
+    assert QWEN15.restored_throughput(1, [UNIFORM], 100, 100) == 0.0
+    assert QWEN15.restored_throughput(2, [UNIFORM], 10, 100) == 0.0  # one request's KV holds no expert
+
+
 def test_step_clock_fits_a_line_and_keeps_the_prior_until_it_can():
     from sglang_rimuru.adjuster.cost import StepClock
 
-    clock = StepClock(prior=(3.7, 0.025), min_samples=4)
-    assert clock.fit() == (3.7, 0.025)
+    clock = StepClock(prior=(3.7, 0.025, 0.3), min_samples=4)
+    assert clock.fit() == (3.7, 0.025, 0.3)
     clock.record(8, 5.0)
-    assert clock.fit() == pytest.approx((5.0 - 0.025 * 8, 0.025))  # one batch size: the prior's slope
+    assert clock.fit() == pytest.approx((5.0 - 0.025 * 8, 0.025, 0.3))  # one batch size: the prior's slope
     for b, ms in ((1, 3.0), (16, 4.5), (32, 6.1)):
         clock.record(b, ms)
-    base, per = clock.fit()
+    base, per, exp = clock.fit()
     xs, ys = [8, 1, 16, 32], [5.0, 3.0, 4.5, 6.1]
     mx, my = sum(xs) / 4, sum(ys) / 4
     want = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    assert per == pytest.approx(want) and base == pytest.approx(my - want * mx)
+    assert per == pytest.approx(want) and base == pytest.approx(my - want * mx) and exp == 0.3
     clock.record(0, 1.0)  # ignored: no batch
     clock.record(4, float("nan"))  # ignored
+    clock.record(4, 2.0, -1.0)  # ignored: negative reads
     assert len(clock) == 4
-    small = StepClock(prior=(1.0, 0.0), window=3)
+    small = StepClock(prior=(1.0, 0.0, 0.0), window=3)
     for b in (1, 2, 3, 4):
         small.record(b, float(b))
     assert len(small) == 3  # the window keeps the latest
+    with pytest.raises(ValueError, match="expert_ms"):
+        StepClock(prior=(1.0, 0.0))
+
+
+def test_step_clock_keeps_offloaded_reads_out_of_the_per_request_slope():
+    from sglang_rimuru.adjuster.cost import StepClock
+
+    # steps of 4 ms + 0.02 ms a request + 0.25 ms per expert read, the reads varying
+    # on their own (the set out changes between orders)
+    clock = StepClock(prior=(3.0, 0.1, 0.34), min_samples=8)
+    for i in range(40):
+        b, r = 1 + (7 * i) % 64, float((11 * i) % 50)
+        clock.record(b, 4.0 + 0.02 * b + 0.25 * r, r)
+    assert clock.fit() == pytest.approx((4.0, 0.02, 0.25))
+    # the old fit (no reads) would have priced a request at far more than 0.02 ms
+    # whenever the batch grew while experts were out. Reads that follow the batch
+    # (here exactly) cannot be told from it: expert_ms stays the prior's and the line is
+    # fitted to what is left
+    tied = StepClock(prior=(3.0, 0.1, 0.25), min_samples=8)
+    for b in range(1, 41):
+        tied.record(b, 4.0 + 0.02 * b + 0.25 * (0.5 * b), 0.5 * b)
+    base, per, exp = tied.fit()
+    assert exp == 0.25 and base == pytest.approx(4.0) and per == pytest.approx(0.02)
+    # reads that only saturate with the batch (one set out throughout) are told apart
+    curved = StepClock(prior=(3.0, 0.1, 0.34), min_samples=8)
+    for b in range(1, 41):
+        r = 10 * touched(UNIFORM, b)
+        curved.record(b, 4.0 + 0.02 * b + 0.25 * r, r)
+    assert curved.fit() == pytest.approx((4.0, 0.02, 0.25))
+
+
+def test_step_clock_never_fits_a_step_of_no_time():
+    from sglang_rimuru.adjuster.cost import CostModel, StepClock
+
+    # a PCIe-bound run (the H200, 480 uniform experts out): every step is its reads;
+    # the clamped line would be (0, 0), which no CostModel accepts
+    clock = StepClock(prior=(3.7, 0.023, 0.34), min_samples=8)
+    for i in range(40):
+        b, r = 60 + i, 400.0 + (13 * i) % 70
+        clock.record(b, 0.5 * r - 0.01 * b, r)
+    fit = clock.fit()
+    assert fit[0] + fit[1] > 0
+    CostModel(expert_ms=fit[2], base_ms=fit[0], per_request_ms=fit[1])  # valid
+    # steps that are exactly their reads: the line clamps to (0, 0), so the prior is kept
+    exact = StepClock(prior=(3.7, 0.023, 0.34), min_samples=8)
+    for i in range(40):
+        b, r = 60 + i, 400.0 + (13 * i) % 70
+        exact.record(b, 0.34 * r, r)
+    assert exact.fit() == (3.7, 0.023, 0.34)
