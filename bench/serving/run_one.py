@@ -132,6 +132,13 @@ def log_stats(log: str) -> dict:
     running = [int(m) for m in re.findall(r"#running-req: (\d+)", log)]
     queued = [int(m) for m in re.findall(r"#queue-req: (\d+)", log)]
     decode_lines = len(re.findall(r"Decode batch", log))
+    # SGLang's own decode throughput per log interval: what a run stopped at its
+    # budget still says (bench_serving's summary is lost then)
+    # Each line covers decode_log_interval steps of its #running-req requests:
+    # weighted by time (tokens / rate), not by line (fast intervals log more often).
+    gen = [(int(r), float(g)) for r, g in re.findall(
+        r"Decode batch, #running-req: (\d+),.*?gen throughput \(token/s\): ([0-9.]+)", log) if float(g) > 0]
+    gen_s = sum(r / g for r, g in gen)
     interval = re.search(r"decode_log_interval=(\d+)", log)
     return {
         "peak_running": max(running, default=0),
@@ -140,6 +147,8 @@ def log_stats(log: str) -> dict:
         "prefill_batches": len(re.findall(r"Prefill batch", log)),
         "retractions": len(re.findall(r"Retract requests", log)),
         "kv_tokens": int(m.group(1)) if (m := re.search(r"max_total_num_tokens=(\d+)", log)) else None,
+        "gen_tok_s_mean": round(sum(r for r, _ in gen) / gen_s, 1) if gen_s else None,
+        "gen_tok_s_lines": len(gen),
     }
 
 
@@ -255,7 +264,8 @@ def main() -> None:
           f"ready {res['ready_s']} s; tracebacks {res['tracebacks']}"
           + (f"; trace: {res['trace']['evicted']} out / {res['trace']['restored']} in, min resident "
              f"{res['trace']['min_resident']}" if res["trace"] else "")
-          + (" ; STOPPED AT BUDGET" if stopped else ""), flush=True)
+          + (f" ; STOPPED AT BUDGET (SGLang's decode log: mean {res['log']['gen_tok_s_mean']} tok/s over "
+             f"{res['log']['gen_tok_s_lines']} lines)" if stopped else ""), flush=True)
 
 
 if __name__ == "__main__":

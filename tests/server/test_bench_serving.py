@@ -62,3 +62,27 @@ def test_run_one_and_report_on_cpu(tmp_path, model_dir):
     assert rep.returncode == 0, rep.stderr
     assert "| elastic_cpu | 0 GB | 12/12 |" in rep.stdout
     assert "| elastic_cpu | 1.00x | 1.00x | 1.00x | 1.00x |" in rep.stdout
+
+
+def test_log_stats_weighs_decode_throughput_by_time():
+    """A run stopped at its budget keeps SGLang's own decode rate: per log line, the
+    tokens of its running requests over the rate (a slow interval counts for longer)."""
+    sys.path.insert(0, str(ROOT / "bench" / "serving"))
+    try:
+        from run_one import log_stats
+    finally:
+        sys.path.pop(0)
+    log = "\n".join([
+        "[t] server_args=ServerArgs(decode_log_interval=40, ...)",
+        "[t] Decode batch, #running-req: 10, #token: 100, token usage: 0.1, cuda graph: True, "
+        "gen throughput (token/s): 1000.00, #queue-req: 0",
+        "[t] Decode batch, #running-req: 40, #token: 400, token usage: 0.4, cuda graph: True, "
+        "gen throughput (token/s): 100.00, #queue-req: 3",
+        "[t] Decode batch, #running-req: 1, #token: 4, token usage: 0.0, cuda graph: True, "
+        "gen throughput (token/s): 0.00, #queue-req: 0",  # an idle start: no rate
+    ])
+    s = log_stats(log)
+    # 10 + 40 tokens a step over 10/1000 + 40/100 s a step
+    assert s["gen_tok_s_mean"] == round(50 / (0.01 + 0.4), 1) and s["gen_tok_s_lines"] == 2
+    assert s["peak_running"] == 40 and s["peak_queued"] == 3 and s["decode_steps_est"] == 120
+    assert log_stats("")["gen_tok_s_mean"] is None
