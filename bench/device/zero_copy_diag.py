@@ -5,7 +5,12 @@
 1. a pinned tensor passed as a Triton pointer argument;
 2. the same bytes reached from a device tensor's pointer plus an element offset
    (how the paged kernel addresses host pages);
-3. read bandwidth of (2) for 64 MiB, against a pinned cudaMemcpy of the same bytes.
+3. read bandwidth of (2) for 128 MiB, against a pinned cudaMemcpy of the same bytes;
+4. the same in-place read from each kind of page-locked memory the host store can
+   use (``SGLANG_RIMURU_HOST_PIN``): torch's pinned allocator (as in 1-3),
+   ``register`` (plain memory, cudaHostRegister: the default) and ``hugepage``
+   (2 MiB-aligned, transparent huge pages, registered). Decode with offloaded
+   experts is bound by this read (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -23,6 +28,28 @@ def _copy(src_ptr, dst_ptr, offset, n, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     tl.store(dst_ptr + i, tl.load(src_ptr + offset + i, mask=m), mask=m)
+
+
+def by_pin(host, anchor, dev, n, grid) -> dict:
+    """In-place read rate from each kind of the host store's page-locked memory."""
+    import os
+
+    from sglang_rimuru.experts.host_store import PIN_ENV, pinned_empty
+
+    out = {}
+    for how in ("torch", "register", "hugepage"):
+        os.environ[PIN_ENV] = how
+        src = pinned_empty((n,), torch.bfloat16)
+        src.copy_(host)
+        off = (src.data_ptr() - anchor.data_ptr()) // 2
+        dev.zero_()
+        _copy[grid](anchor, dev, off, n, BLOCK=4096)
+        torch.cuda.synchronize()
+        assert torch.equal(dev.cpu(), host), how
+        ms = triton.testing.do_bench(lambda: _copy[grid](anchor, dev, off, n, BLOCK=4096), warmup=5, rep=50)
+        out[how] = round(2 * n / ms / 1e6, 1)
+    os.environ.pop(PIN_ENV, None)
+    return out
 
 
 def main() -> None:
@@ -59,6 +86,11 @@ def main() -> None:
         res["memcpy_h2d_GBps"] = 2 * n / ms2 / 1e6
         print("zero-copy read %.1f GB/s, pinned memcpy %.1f GB/s" % (res["zero_copy_read_GBps"],
                                                                     res["memcpy_h2d_GBps"]), flush=True)
+        try:
+            res["zero_copy_read_GBps_by_pin"] = by_pin(host, anchor, dev, n, grid)
+            print("in-place read by host memory kind, GB/s:", res["zero_copy_read_GBps_by_pin"], flush=True)
+        except Exception as exc:  # noqa: BLE001
+            res["zero_copy_read_GBps_by_pin"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     if len(sys.argv) > 1:
         json.dump(res, open(sys.argv[1], "w"), indent=1)
     print(json.dumps(res))

@@ -14,20 +14,23 @@ or one per run of consecutive pages (``matrices``) when pages hold no padding.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
 from .shapes import MoEShape
 
-__all__ = ["HostExpertStore", "pinned_empty", "PIN_ENV"]
+__all__ = ["HostExpertStore", "hugepage_empty", "pinned_empty", "PIN_ENV"]
 
-#: ``SGLANG_RIMURU_HOST_PIN=torch``: page-lock with torch's pinned allocator instead
+#: ``SGLANG_RIMURU_HOST_PIN=torch``: page-lock with torch's pinned allocator instead;
+#: ``=hugepage``: register 2 MiB-aligned memory advised to use transparent huge pages
 PIN_ENV = "SGLANG_RIMURU_HOST_PIN"
 _CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
 #: registered host tensors live as long as the process (unregistering memory that
 #: views may still reach would make their copies synchronous, or fail)
 _REGISTERED: list[torch.Tensor] = []
+_MAPPINGS: list = []  # anonymous mappings behind hugepage_empty tensors
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -42,9 +45,12 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     host pages rely on), as SGLang's own HiCache host pool does. The memory
     stays registered for the life of the process.
     """
-    if os.environ.get(PIN_ENV, "register") == "torch":
+    how = os.environ.get(PIN_ENV, "register")
+    if how == "torch":
         return torch.empty(shape, dtype=dtype, pin_memory=True)
-    t = torch.empty(shape, dtype=dtype, device="cpu")
+    if how not in ("register", "hugepage"):
+        raise ValueError(f"{PIN_ENV}={how!r}: expected register (the default), hugepage or torch")
+    t = hugepage_empty(shape, dtype) if how == "hugepage" else torch.empty(shape, dtype=dtype, device="cpu")
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return t
@@ -54,6 +60,29 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         raise RuntimeError(f"cudaHostRegister of {nbytes} B of expert weights failed (cudaError {rc}, "
                            f"is_pinned {t.is_pinned()}); {PIN_ENV}=torch uses torch's pinned allocator instead")
     _REGISTERED.append(t)
+    return t
+
+
+def hugepage_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Host memory of exactly ``shape``, 2 MiB aligned, with the kernel asked for
+    transparent huge pages (``MADV_HUGEPAGE``; a no-op where THP is off).
+
+    For ``SGLANG_RIMURU_HOST_PIN=hugepage``: the GPU reads host pages in place
+    through its own translation of them, and 2 MiB pages need 512x fewer
+    entries than 4 KiB ones for the same experts. Whether that is faster is
+    measured by ``bench/device/zero_copy_diag.py``, not assumed.
+    """
+    import mmap
+
+    align = 2 << 20
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    mm = mmap.mmap(-1, nbytes + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(mm, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % align
+    t = raw[start:start + nbytes].view(dtype).view(shape)
+    _MAPPINGS.append(mm)  # the tensor does not own the mapping: keep it for the process
     return t
 
 

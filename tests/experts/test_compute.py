@@ -354,16 +354,21 @@ def test_compute_cuda_passes_the_manager_kernel_hooks() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_in_place_host_reads_from_registered_host_memory() -> None:
+@pytest.mark.parametrize("pin", ["register", "hugepage"])
+def test_in_place_host_reads_from_registered_host_memory(pin, monkeypatch) -> None:
     """The host store's memory comes from ``pinned_empty`` (plain host memory,
-    cudaHostRegister'ed, exactly sized); the paged kernel reads offloaded experts
-    at their host addresses through the home table, as decode graphs do."""
+    cudaHostRegister'ed, exactly sized; or 2 MiB-aligned huge-page memory); the
+    paged kernel reads offloaded experts at their host addresses through the home
+    table, as decode graphs do."""
     from sglang_rimuru.experts import ExpertManager, HostExpertStore
-    from sglang_rimuru.experts.host_store import pinned_empty
+    from sglang_rimuru.experts.host_store import PIN_ENV, pinned_empty
     from sglang_rimuru.pool import PoolBuffer
 
+    monkeypatch.setenv(PIN_ENV, pin)
     t = pinned_empty((5, 3, 7), torch.bfloat16)
-    assert t.is_pinned() and t.untyped_storage().nbytes() == 5 * 3 * 7 * 2  # not rounded to a power of two
+    assert t.is_pinned() and t.numel() == 5 * 3 * 7
+    if pin == "register":
+        assert t.untyped_storage().nbytes() == 5 * 3 * 7 * 2  # not rounded to a power of two
     g = torch.Generator().manual_seed(11)
     shape = tiny_shape(E=8, I=16, H=32, k=2)
     rig = make_rig(shape, limit=3, resident=5, gates="random", fragment=True)
@@ -385,3 +390,16 @@ def test_in_place_host_reads_from_registered_host_memory() -> None:
         assert (out - ref).abs().max().item() <= 0.03 * ref.abs().max().item() + 1e-3
     m.end_forward()
     assert m.stats().on_demand_loads == 0  # nothing copied: offloaded experts were read in place
+
+
+def test_hugepage_host_memory_is_aligned_exact_and_writable(monkeypatch) -> None:
+    from sglang_rimuru.experts.host_store import PIN_ENV, hugepage_empty, pinned_empty
+
+    t = hugepage_empty((4, 1000, 3), torch.bfloat16)
+    assert t.shape == (4, 1000, 3) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % (2 << 20) == 0
+    t.fill_(2.0)
+    assert float(t.float().sum()) == 2.0 * 12_000
+    monkeypatch.setenv(PIN_ENV, "hugepages")
+    with pytest.raises(ValueError, match="SGLANG_RIMURU_HOST_PIN='hugepages'"):
+        pinned_empty((2,), torch.bfloat16)
