@@ -51,7 +51,7 @@ class RimuruConfig:
     adjuster_trace: str | None = None
     #: elastic mode: "paper" = the fixed thresholds alone; "cost" = an eviction must
     #: also pay for its PCIe time (sglang_rimuru/adjuster/cost.py)
-    adjuster_policy_name: str = "paper"
+    adjuster_policy_name: str = "cost"
     #: batches of at most this many tokens read offloaded experts in place from
     #: pinned host memory (zero-copy, no host sync); larger ones copy them into the
     #: load buffers first. CUDA graphs always read in place.
@@ -173,7 +173,8 @@ class RimuruConfig:
             type=int,
             default=None,
             metavar="N",
-            help="Experts each of the two load buffers holds (default: the offload limit). The buffers "
+            help="Experts each of the two load buffers holds (default: static, the offload limit; elastic, "
+            "the most experts a layer has offloaded at start, 0 where every expert fits). The buffers "
             "take 2 x N x 3 expert pages for the server's life; fewer keep more of the pool for KV. "
             "Offloaded experts a prefill routes beyond N are read in place from pinned host memory "
             "(slower, same outputs). 0: no load buffers.",
@@ -236,9 +237,10 @@ class RimuruConfig:
             "--rimuru-adjuster-policy",
             choices=("paper", "cost"),
             default=RimuruConfig.adjuster_policy_name,
-            help="elastic: 'paper': evict and restore by the free-page thresholds alone; 'cost': an "
-            "eviction must also pay for itself: the offloaded experts' expected PCIe time per decode "
-            "step (from their routing frequency and the batch size) against the requests it admits.",
+            help="elastic: 'cost' (default): an eviction must also pay for itself: the offloaded "
+            "experts' expected PCIe time per decode step (from their routing frequency and the batch "
+            "size) against the requests it admits; 'paper': evict and restore by the free-page "
+            "thresholds alone.",
         )
         group.add_argument(
             "--rimuru-adjuster-trace",

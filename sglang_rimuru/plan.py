@@ -219,6 +219,32 @@ class PoolPlan:
                 )
         return self.request_tokens
 
+    def start_buffer_slots(self, free_expert_pages: int, keep_free_pages: int) -> int:
+        """Slots per load buffer, given the pool's free expert pages before the buffers.
+
+        Static, or ``--rimuru-load-buffer-slots``: ``buffer_slots`` (the flag, or
+        the offload limit). Elastic without the flag: as many as the most experts
+        any layer has offloaded at start, at most the offload limit. The buffers
+        hold their pages for the server's life, and at a budget that holds every
+        expert (a 32 GB card for Qwen1.5-MoE) buffers sized to the limit took half
+        of the KV plain SGLang has (3,267 tokens against 7,112 on the H200): the
+        adjuster cannot take those pages back. Experts evicted later beyond the
+        slots are read in place from host memory (same outputs; a prefill reads
+        them once per block of tokens instead of copying them once).
+        """
+        if not self.elastic or self.load_buffer_slots is not None:
+            return self.buffer_slots
+        if self.resident_per_layer is not None:
+            return min(self.offload_limit, self.num_experts - self.resident_per_layer)
+        layers, slots = self.num_moe_layers, 0
+        while True:  # more slots leave fewer residents: settle on slots >= the most out per layer
+            out = layers * self.num_experts - self.residents_at_start(free_expert_pages - 2 * slots * 3,
+                                                                      keep_free_pages)
+            need = min(self.offload_limit, -(-out // layers))
+            if need <= slots:
+                return slots
+            slots = need
+
     def residents_at_start(self, free_expert_pages: int, keep_free_pages: int) -> int:
         """Experts (all layers) to place at start, given the pool's free expert pages
         after the dummy slot and the load buffers.

@@ -42,12 +42,12 @@ def test_unknown_moe_kernel():
 
 
 def test_adjuster_policy_flag():
-    assert RimuruConfig().adjuster_policy_name == "paper"
-    config = parse("--rimuru-mode", "elastic", "--rimuru-adjuster-policy", "cost")
-    assert config.adjuster_policy_name == "cost"
+    assert RimuruConfig().adjuster_policy_name == "cost"
+    config = parse("--rimuru-mode", "elastic", "--rimuru-adjuster-policy", "paper")
+    assert config.adjuster_policy_name == "paper"
     assert RimuruConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match=r"^--rimuru-adjuster-policy need --rimuru-mode elastic$"):
-        parse("--rimuru-mode", "static", "--rimuru-adjuster-policy", "cost")
+        parse("--rimuru-mode", "static", "--rimuru-adjuster-policy", "paper")
     with pytest.raises(SystemExit):
         parse("--rimuru-mode", "elastic", "--rimuru-adjuster-policy", "greedy")
 

@@ -596,7 +596,7 @@ class ExpertManager:
                     layer: int) -> list[int]:
         """Make ``misses`` fit the buffer's free slots; return the ones left out (in place).
 
-        With slots >= the offload limit (the default) they always fit: a buffer
+        With slots >= the offload limit (static's default) they always fit: a buffer
         holds only experts of one layer offloaded at the last table refresh.
         With fewer (``--rimuru-load-buffer-slots``), slots holding a mispredicted
         prefetch are given back first (a copy into one waits for that prefetch),

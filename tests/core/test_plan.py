@@ -193,3 +193,25 @@ def test_fewer_load_buffer_slots_leave_more_of_the_pool_for_kv():
     # the default limit is half the experts (30); the plan checks what the flags could not
     with pytest.raises(PlanError, match=r"--rimuru-load-buffer-slots 31 is above the offload limit 30"):
         plan_pool(ModelFacts.from_config(QWEN15), RimuruConfig(mode="elastic", load_buffer_slots=31))
+
+
+def test_elastic_buffers_hold_what_is_offloaded_at_start():
+    plan = plan_pool(ModelFacts.from_config(QWEN15), ELASTIC_Q15)
+    # a 32 GB card: every expert fits (1440 x 3 pages + low water 2 of 4553 free): no buffers,
+    # the KV keeps the pages (the H200 run with buffers of 20 started with 3,267 KV tokens)
+    assert plan.start_buffer_slots(4553, 2) == 0
+    # 3,200 free pages: 1,066 fit without buffers, 16 out per layer; 16 slots leave 1,034
+    # (17 out in some layer); 17 slots leave 1,032: settled
+    assert plan.start_buffer_slots(3200, 2) == 17
+    # tighter: the offload limit caps the slots (and the residents' floor of 40 a layer holds)
+    assert plan.start_buffer_slots(2900, 2) == 20
+    # the flag, static mode and a fixed elastic residency decide without the search
+    flagged = plan_pool(ModelFacts.from_config(QWEN15),
+                        RimuruConfig(mode="elastic", expert_offload_limit=20, load_buffer_slots=3))
+    assert flagged.start_buffer_slots(4553, 2) == 3
+    static = plan_pool(ModelFacts.from_config(QWEN15),
+                       RimuruConfig(mode="static", resident_experts=50, expert_offload_limit=10))
+    assert static.start_buffer_slots(4553, 2) == 10
+    fixed = plan_pool(ModelFacts.from_config(QWEN15),
+                      RimuruConfig(mode="elastic", resident_experts=50, expert_offload_limit=20))
+    assert fixed.start_buffer_slots(4553, 2) == 10

@@ -23,6 +23,7 @@ bit-identical to SGLang's fused MoE; ``fast`` leaves it its own defaults.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -213,6 +214,9 @@ class RimuruRuntime:
         )
         # The pool's placement, and the scheduler side's view of it (the adjuster's in elastic mode)
         residency = ExpertResidency(shape, ranking, plan.offload_limit)
+        # elastic: buffers for what is offloaded at start, not the limit (plan.start_buffer_slots)
+        plan = dataclasses.replace(plan, load_buffer_slots=plan.start_buffer_slots(
+            page_pool.free_expert_page_count(), config.adjuster_evict_low_water))
         load_buffers = LoadBuffers(shape, page_pool, slots=plan.buffer_slots)
         cls._place_residents(plan, config, shape, page_pool, ranking, residency)
         gates = {layer_id: gate for layer_id, (_, gate) in layers.items()}
