@@ -288,6 +288,7 @@ class _Metrics:
         "orders_aborted": "Migration orders refused by the worker (cumulative)",
         "urgent_orders": "Evictions made to avoid retracting decode requests (cumulative)",
         "refused_orders": "Malformed or out-of-sequence orders refused (cumulative)",
+        "priced_out_rounds": "Rounds whose eviction the cost model dropped as not worth its PCIe time (cumulative)",
         "bytes_copied": "Host-to-device expert bytes copied (cumulative)",
         "on_demand_loads": "Offloaded experts loaded after routing: load-buffer misses (cumulative)",
         "prefetch_hits": "Offloaded experts found prefetched (cumulative)",

@@ -200,7 +200,7 @@ class Adjuster:
         frozen = self._frozen.keys()
         victims = (pick_victims(self.residency, self.ranking, decision.evict, frozen)
                    if decision.evict else [])
-        if victims and self.cost is not None and load is not None and not self._pays(victims, load, decision):
+        if victims and self.cost is not None and load is not None and not self._pays(victims, load, decision, kv_pages_needed):
             self._n["priced_out"] += 1
             decision, victims = Decision(0, 0, "priced_out"), []
         n_restore = min(decision.restore, max(0, f_b - taken) // ppe) if r_b == 0 else 0
@@ -294,6 +294,11 @@ class Adjuster:
         return tuple(self._in_flight.values())
 
     @property
+    def last_round(self) -> RoundRecord | None:
+        """What the last ``plan_round`` saw and did (``stats().last`` without the counters)."""
+        return self._last
+
+    @property
     def last_seq(self) -> int:
         """``seq`` of the last order planned; 0 before the first."""
         return self._seq
@@ -351,7 +356,7 @@ class Adjuster:
         out += [self._token_p[m.layer][m.expert] for o in self._in_flight.values() for m in o.evict]
         return out
 
-    def _pays(self, victims, load: Load, decision: Decision) -> bool:
+    def _pays(self, victims, load: Load, decision: Decision, kv_pages_needed: int) -> bool:
         cost, offloaded = self.cost, self.offloaded_token_probabilities()
         new = [self._token_p[l][e] for l, e in victims]
         if decision.reason == "low_water" and not load.urgent:
@@ -365,6 +370,10 @@ class Adjuster:
         if load.urgent:
             return cost.keep_beats_retract(load.running, offloaded, new, kv_per_request, kv_per_expert)
         batch, admits = load.running, load.admits
+        if load.running == 0 and load.admits > 0:
+            # nothing runs (between requests): the head's own pages per request say how
+            # many the KV holds without evicting; "pure gain" only if that is none
+            kv_per_request = kv_pages_needed / load.admits
         if kv_per_request > 0 and load.waiting > 0:
             # The queue will fill the KV either way: compare the batch today's KV holds
             # with the one it holds with the victims' pages too. (Priced at the batch

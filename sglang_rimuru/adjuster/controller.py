@@ -77,6 +77,9 @@ class WorkerTurns(Protocol):
 
 
 class ElasticController:
+    #: a priced-out shortfall repeats every round it lasts: one log line per this many seconds
+    PRICED_OUT_LOG_S = 30.0
+
     def __init__(self, adjuster, link: SchedulerEnd, worker: WorkerTurns, *,
                  trace_path: str | None = None, check_invariants: bool = False) -> None:
         self.adjuster = adjuster
@@ -102,6 +105,9 @@ class ElasticController:
                           urgent_orders=0, refused_acks=0)
         #: orders the worker refused, as its acks say (aborted ones and ones not in flight)
         self._refused = 0
+        #: rounds whose eviction the cost model dropped, and when that was last logged
+        self._priced_out = 0
+        self._priced_out_logged = float("-inf")
         if trace_path:
             open(trace_path, "w").close()  # one trace per server run
 
@@ -220,6 +226,7 @@ class ElasticController:
             free_expert_pages=pool.free_expert_pages,
             kv_pages_used=pool.kv_pages_used,
             refused_orders=self._refused,
+            priced_out_rounds=self._priced_out,
             **self._n,
         )
 
@@ -235,6 +242,17 @@ class ElasticController:
                         urgent=urgent, waiting=self._waiting)
         order = self.adjuster.plan_round(round_no, short, load) if load is not None \
             else self.adjuster.plan_round(round_no, short)
+        last = self.adjuster.last_round
+        if last is not None and last.decision.reason == "priced_out":
+            self._priced_out += 1
+            now = time.monotonic()
+            if now - self._priced_out_logged >= self.PRICED_OUT_LOG_S:  # a shortfall repeats every round
+                self._priced_out_logged = now
+                logger.info("sglang-rimuru round %d: eviction priced out (%s; %d rounds so far): the offloaded "
+                            "experts' PCIe time per decode step would cost more than the requests it admits "
+                            "(running %d, waiting %d); SGLang queues or retracts instead", round_no,
+                            "decode short" if urgent else f"R_b={last.short_pages}", self._priced_out,
+                            self._running, self._waiting)
         self._round += 1
         encoded = None if order is None else encode(order)
         if self.agreement is not None:

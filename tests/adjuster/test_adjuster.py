@@ -403,3 +403,23 @@ def test_a_queue_prices_the_eviction_at_the_batch_the_kv_will_hold():
     assert len(order.evict) == 3
     adj, order = plan(waiting=40)
     assert order is None and adj.stats().decisions["priced_out"] == 1
+
+
+def test_between_requests_an_eviction_is_free_only_if_the_head_cannot_run_at_all():
+    """Nothing running, a queue waiting: the head's pages per request say how many the
+    KV holds without evicting. One or more: priced as usual (here PCIe is dear: no);
+    none: evicting is the only way to run anything (a CPU server evicted here because
+    it priced every gap between requests as pure gain)."""
+    from sglang_rimuru.adjuster import Load
+    from sglang_rimuru.adjuster.cost import CostModel
+
+    def plan(kv_pages_needed):
+        rig = make_rig(pages=100)  # 46 free expert pages: 92 KV pages, nothing used
+        adj = Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking,
+                       cost=CostModel(expert_ms=1e3, base_ms=1.0, per_request_ms=0.05))
+        return adj, adj.plan_round(0, kv_pages_needed, Load(running=0, admits=2, waiting=5))
+
+    adj, order = plan(100)  # two requests of 50 pages: one fits in 92
+    assert order is None and adj.stats().decisions["priced_out"] == 1
+    adj, order = plan(200)  # two of 100: none fits
+    assert order is not None and order.evict

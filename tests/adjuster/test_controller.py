@@ -156,7 +156,7 @@ def test_demand_evicts_and_pages_free_only_after_the_forward_pass(elastic, caplo
     assert ctl.snapshot() == dict(
         resident_experts=15, offloaded_experts=9, expert_pages=45, other_expert_pages=24,
         kv_split_expert_pages=0, free_expert_pages=15, kv_pages_used=0, refused_orders=0,
-        orders_completed=1, orders_aborted=0, evictions=3, restores=0, urgent_orders=0,
+        priced_out_rounds=0, orders_completed=1, orders_aborted=0, evictions=3, restores=0, urgent_orders=0,
         refused_acks=0)
 
     # round 1: the refused request is admitted onto the freed pages
@@ -531,3 +531,22 @@ def test_tp_ranks_plan_identical_orders(elastic) -> None:
     assert ranks[0].ctl.snapshot() == ranks[1].ctl.snapshot()
     for r in ranks:
         assert all_resident_hold_their_weights(r)
+
+
+def test_a_priced_out_shortfall_is_counted_and_logged_once_per_interval(elastic, caplog) -> None:
+    from sglang_rimuru.adjuster.cost import CostModel
+
+    e = elastic()
+    ctl = e.ctl
+    # PCIe so slow that no eviction pays for the requests it admits
+    ctl.adjuster.cost = CostModel(expert_ms=1e6, base_ms=3.7, per_request_ms=0.025)
+    caplog.set_level(logging.INFO, logger=CTL_LOG)
+    ctl.note_demand(26, requests=2)
+    for r in range(3):  # the shortfall stands for three rounds
+        assert ctl.round(forward_follows=False, waiting=5, running=4) is None
+    assert ctl.snapshot()["priced_out_rounds"] == 3 and ctl.snapshot()["evictions"] == 0
+    lines = [r.getMessage() for r in caplog.records if "priced out" in r.getMessage()]
+    assert lines == ["sglang-rimuru round 0: eviction priced out (R_b=7; 1 rounds so far): the offloaded "
+                     "experts' PCIe time per decode step would cost more than the requests it admits "
+                     "(running 4, waiting 5); SGLang queues or retracts instead"]
+    assert free_pages(e.pool) == [78, 79, 80, 81, 82, 83]  # nothing moved

@@ -97,6 +97,29 @@ def test_burst_evicts_experts_quiet_restores_them_outputs_equal_off(tmp_path, mo
     assert evictions and float(evictions[0].split()[-1]) >= 8
 
 
+def test_where_pcie_costs_more_than_requests_gain_nothing_is_evicted(tmp_path, model_dir):
+    """The cost policy (the default) with PCIe priced far above a decode step
+    (``SGLANG_RIMURU_PCIE_GBPS``): the same burst evicts nothing. Every shortfall is
+    priced out (logged, and counted on /metrics); SGLang queues the requests that do
+    not fit, and every one still finishes."""
+    path = str(ensure_model("tiny-qwen3-moe", cache_dir=model_dir))
+    trace = tmp_path / "trace.jsonl"
+    srv = start_server([*ELASTIC, "--model-path", path, "--rimuru-adjuster-trace", str(trace), "--enable-metrics"],
+                       tmp_path / "elastic.log", env={**CHECKED, "SGLANG_RIMURU_PCIE_GBPS": "1e-6"})
+    try:
+        got = burst(srv)
+        metrics = requests.get(srv.url + "/metrics", timeout=30).text
+    finally:
+        srv.stop()
+    assert [len(ids) for ids in got] == [24] * len(BURST)
+    assert read_trace(trace) == []  # no round changed the split
+    log = srv.log()
+    assert "Traceback" not in log and "experts out [L" not in log
+    assert "eviction priced out" in log
+    priced = [ln for ln in metrics.splitlines() if ln.startswith("sglang_rimuru:priced_out_rounds{")]
+    assert priced and float(priced[0].split()[-1]) >= 1
+
+
 def test_elastic_tp2_ranks_hold_the_same_experts_after_every_round(tmp_path, model_dir):
     path = str(ensure_model("tiny-qwen3-moe", cache_dir=model_dir))
     trace = tmp_path / "trace.jsonl"

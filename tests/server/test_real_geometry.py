@@ -77,6 +77,7 @@ def test_pool_modes_at_real_geometry_keep_kv_ids_in_bounds(tmp_path, model_dir, 
     trace = tmp_path / "trace.jsonl"
     elastic = start_server(
         ["--model-path", path, *BASE, "--rimuru-mode", "elastic", "--rimuru-expert-offload-limit", "4",
+         "--rimuru-load-buffer-slots", "4",  # the page arithmetic above (the default would size them to 0)
          "--rimuru-pool-gb", f"{pool_gb + 1e-9:.9f}", "--rimuru-adjuster-trace", str(trace)],
         tmp_path / "elastic.log", env=CHECKED)
     try:

@@ -65,10 +65,24 @@ STEP_PRIOR_MS = (3.7, 0.025)
 IN_PLACE_SHARE = 0.93
 
 
+#: ``SGLANG_RIMURU_PCIE_GBPS``: the in-place read rate the cost model assumes, GB/s (instead of
+#: timing a copy; for A/B runs and for CPU tests that need offloading to cost something)
+PCIE_ENV = "SGLANG_RIMURU_PCIE_GBPS"
+
+
 def _in_place_read_gbps(device) -> float:
     """What an in-place read of host pages moves per second here: a pinned 64 MiB
     host->device copy timed three times, scaled by what in-place reads reached on
-    the H200. CPU: a nominal 50 GB/s (nothing crosses PCIe there)."""
+    the H200. CPU: a nominal 50 GB/s (nothing crosses PCIe there). ``PCIE_ENV`` overrides."""
+    override = os.environ.get(PCIE_ENV)
+    if override is not None:
+        try:
+            gbps = float(override)
+        except ValueError:
+            gbps = 0.0
+        if not gbps > 0:
+            raise ValueError(f"{PCIE_ENV}={override!r}: expected GB/s > 0")
+        return gbps
     if torch.device(device).type != "cuda":
         return 50.0
     n = 64 << 20
