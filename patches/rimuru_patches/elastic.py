@@ -150,7 +150,7 @@ def _round(orig, ctx):
         if batch is not None and batch is not plan.running_batch and batch.forward_mode.is_extend():
             running += len(batch.reqs)  # this round's prefill joins the decode batch next
         if ctl.adjuster.cost is not None:
-            _StepTiming.round(self, ctl, plan.batch_to_run)
+            _StepTiming.round(self, ctl, batch)
         ctl.round(forward_follows=plan.batch_to_run is not None, waiting=len(self.waiting_queue), busy=busy,
                   running=running)
         sync_capacity(self)
@@ -265,7 +265,6 @@ class _StepTiming:
             adjuster.cost = dataclasses.replace(cost, base_ms=fit[0], per_request_ms=fit[1], expert_ms=fit[2])
         except ValueError as e:  # a fit CostModel refuses: keep the last one, say so
             logger.warning("sglang-rimuru cost-aware adjuster: step fit %s refused (%s); keeping %s", fit, e, cost)
-
 
 
 class _Metrics:

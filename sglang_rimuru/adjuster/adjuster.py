@@ -200,7 +200,7 @@ class Adjuster:
         frozen = self._frozen.keys()
         victims = (pick_victims(self.residency, self.ranking, decision.evict, frozen)
                    if decision.evict else [])
-        if victims and self.cost is not None and load is not None and not self._pays(victims, load, decision, kv_pages_needed):
+        if victims and self.cost is not None and load is not None and not self._pays(victims, load, decision, kv_pages_needed, stats):
             self._n["priced_out"] += 1
             decision, victims = Decision(0, 0, "priced_out"), []
         n_restore = min(decision.restore, max(0, f_b - taken) // ppe) if r_b == 0 else 0
@@ -356,7 +356,8 @@ class Adjuster:
         out += [self._token_p[m.layer][m.expert] for o in self._in_flight.values() for m in o.evict]
         return out
 
-    def _pays(self, victims, load: Load, decision: Decision, kv_pages_needed: int) -> bool:
+    def _pays(self, victims, load: Load, decision: Decision, kv_pages_needed: int, stats) -> bool:
+        """``stats``: the pool's counters ``plan_round`` read this round."""
         cost, offloaded = self.cost, self.offloaded_token_probabilities()
         new = [self._token_p[l][e] for l, e in victims]
         if decision.reason == "low_water" and not load.urgent:
@@ -365,7 +366,7 @@ class Adjuster:
         # the KV sizes that price bringing experts back instead (cost.py: no ratchet)
         pool, geo = self.page_pool, self.page_pool.geometry
         kv_per_expert = self.policy.pages_per_expert * geo.expert_page_bytes / geo.kv_page_bytes
-        kv_used = pool.stats().kv_pages_used
+        kv_used = stats.kv_pages_used
         kv_per_request = kv_used / load.running if load.running > 0 else 0.0
         if load.urgent:
             return cost.keep_beats_retract(load.running, offloaded, new, kv_per_request, kv_per_expert)

@@ -30,7 +30,6 @@ _CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
 #: registered host tensors live as long as the process (unregistering memory that
 #: views may still reach would make their copies synchronous, or fail)
 _REGISTERED: list[torch.Tensor] = []
-_MAPPINGS: list = []  # anonymous mappings behind hugepage_empty tensors
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -81,9 +80,8 @@ def hugepage_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         mm.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(mm, dtype=torch.uint8)
     start = (-raw.data_ptr()) % align
-    t = raw[start:start + nbytes].view(dtype).view(shape)
-    _MAPPINGS.append(mm)  # the tensor does not own the mapping: keep it for the process
-    return t
+    # frombuffer holds a reference to the mapping: it lives as long as the tensor's storage
+    return raw[start:start + nbytes].view(dtype).view(shape)
 
 
 class HostExpertStore:
