@@ -82,7 +82,7 @@ def _after_change(scheduler) -> None:
 
 
 def _free_cache_for_restores(scheduler, ctl) -> None:
-    """Quiet period: evict cached prefixes (LRU first) so offloaded experts can come back."""
+    """Nothing waits: evict cached prefixes (LRU first) so offloaded experts can come back."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     from rimuru_patches.unified_pool.runtime import active
@@ -141,9 +141,11 @@ def _round(orig, ctx):
             _attach(self, ctl)
         plan = orig(self, *args, **kwargs)
         if not self.waiting_queue:
+            # nothing waits: cached prefixes give way to restores, also while requests
+            # run (as load falls the cache of finished requests would otherwise hold
+            # the pages, and the running tail keeps paying for its offloaded experts)
             ctl.clear_demand()
-            if plan.batch_to_run is None and plan.running_batch.is_empty():
-                _free_cache_for_restores(self, ctl)
+            _free_cache_for_restores(self, ctl)
         busy = plan.batch_to_run is not None or bool(self.waiting_queue) or not plan.running_batch.is_empty()
         running = len(plan.running_batch.reqs) if plan.running_batch is not None else 0
         batch = plan.batch_to_run
@@ -222,6 +224,8 @@ class _StepTiming:
     """
 
     REFIT_ROUNDS = 256
+    LOG_S = 60.0  # the fit's log line, at most this often
+    logged = float("-inf")
     clock = None
     last: tuple[float, int] | None = None  # (time, batch size) of the last decode round
     reads_key: tuple | None = None  # (last order seq, orders in flight, batch) of ``reads``
@@ -265,6 +269,11 @@ class _StepTiming:
             adjuster.cost = dataclasses.replace(cost, base_ms=fit[0], per_request_ms=fit[1], expert_ms=fit[2])
         except ValueError as e:  # a fit CostModel refuses: keep the last one, say so
             logger.warning("sglang-rimuru cost-aware adjuster: step fit %s refused (%s); keeping %s", fit, e, cost)
+            return
+        if now - cls.logged >= cls.LOG_S:  # what the evictions are priced with, now and then
+            cls.logged = now
+            logger.info("sglang-rimuru cost-aware adjuster: decode step %.2f ms + %.3f ms per request + %.3f ms "
+                        "per offloaded expert read (%d timed steps)", *fit, len(cls.clock))
 
 
 class _Metrics:

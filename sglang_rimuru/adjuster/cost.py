@@ -196,18 +196,29 @@ class StepClock:
     slope, and a pool with many experts out would price a request far above an
     expert: the ratchet ``CostModel`` guards against.
 
-    ``fit`` is least squares over the last ``window`` records. ``expert_ms`` is
-    fitted only when ``R`` varies on its own (not almost a function of ``B``:
-    squared correlation under ``MAX_R2``) over at least ``min_samples`` records
-    with ``R > 0``, and comes out positive; otherwise the prior's ``expert_ms`` is
-    subtracted and ``base + per * B`` fitted to the rest. While fewer than
-    ``min_samples`` records span two batch sizes: the prior's slopes with the
-    mean's intercept. Negative terms are clamped to 0; a line that clamps to
-    nothing (the reads explain every step, as in a PCIe-bound run on the H200)
-    is never returned: the prior's line is. Deterministic.
+    ``fit`` works in two stages over the last ``window`` records, because under
+    load ``R`` follows ``B`` (every offloaded expert is read by every step once
+    the batch is large) and one joint least-squares fit cannot tell them apart:
+    on the H200 (bench/RESULTS.md, elastic32 of 2026-12-01) such a fit kept the
+    prior's ``expert_ms`` and put the rest of a 350 ms PCIe-bound step into
+    ``base_ms``, after which one more request looked nearly free and every
+    eviction paid.
+
+    1. The resident line ``base + per * B`` from the steps that read nothing
+       (``R == 0``): least squares once ``min_samples`` of them span two batch
+       sizes; with fewer, the prior's slope through their mean; with none, the
+       prior's line. Negative terms clamp to 0; a line that leaves no time at
+       batch 1 is never returned (the prior's is).
+    2. ``expert_ms`` from the steps that read offloaded experts, once
+       ``min_samples`` of them exist: what they took beyond the resident line,
+       per expected read (least squares through the origin); the prior's while
+       fewer, or if that comes out <= 0.
+
+    Whatever the resident line misses lands in ``expert_ms``: a line too fast
+    for this GPU (the prior on a slower card) makes reads look dearer, so the
+    error leans towards keeping experts resident. Deterministic.
     """
 
-    MAX_R2 = 0.9
     MIN_STEP_MS = 1e-3  # a resident step's line must leave at least 1 us at batch 1
 
     def __init__(self, prior: tuple[float, float, float], window: int = 512, min_samples: int = 32) -> None:
@@ -232,31 +243,29 @@ class StepClock:
 
     def fit(self) -> tuple[float, float, float]:
         """``(base_ms, per_request_ms, expert_ms)``."""
-        base0, per0, exp0 = self.prior
-        n = len(self._samples)
+        base, per = self._resident_line()
+        exp = self.prior[2]
+        reading = [(b, t, r) for b, t, r in self._samples if r > 0]
+        if len(reading) >= self.min_samples:
+            srr = sum(r * r for _, _, r in reading)
+            e = sum((t - base - per * b) * r for b, t, r in reading) / srr
+            if e > 0:
+                exp = e
+        return base, per, exp
+
+    def _resident_line(self) -> tuple[float, float]:
+        base0, per0, _ = self.prior
+        pts = [(b, t) for b, t, r in self._samples if r == 0]
+        n = len(pts)
         if n == 0:
-            return self.prior
-        xs = [b for b, _, _ in self._samples]
-        rs = [r for _, _, r in self._samples]
-        ys = [t for _, t, _ in self._samples]
-        mx, mr, my = sum(xs) / n, sum(rs) / n, sum(ys) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
+            return base0, per0
+        mx, my = sum(b for b, _ in pts) / n, sum(t for _, t in pts) / n
+        sxx = sum((b - mx) ** 2 for b, _ in pts)
         if n < self.min_samples or sxx == 0:
-            return max(0.0, my - per0 * mx - exp0 * mr), per0, exp0
-        srr = sum((r - mr) ** 2 for r in rs)
-        sxr = sum((x - mx) * (r - mr) for x, r in zip(xs, rs))
-        sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-        sry = sum((r - mr) * (y - my) for r, y in zip(rs, ys))
-        det = sxx * srr - sxr * sxr
-        if sum(r > 0 for r in rs) >= self.min_samples and srr > 0 and det > (1 - self.MAX_R2) * sxx * srr:
-            per = (srr * sxy - sxr * sry) / det
-            exp = (sxx * sry - sxr * sxy) / det
-            base = max(0.0, my - per * mx - exp * mr)
-            if per >= 0 and exp > 0 and base + per > self.MIN_STEP_MS:
-                return base, per, exp
-        # expert_ms from the prior: fit the line to what is left
-        per = max(0.0, (sxy - exp0 * sxr) / sxx)
-        base = max(0.0, my - per * mx - exp0 * mr)
+            base, per = max(0.0, my - per0 * mx), per0
+        else:
+            per = max(0.0, sum((b - mx) * (t - my) for b, t in pts) / sxx)
+            base = max(0.0, my - per * mx)
         if base + per > self.MIN_STEP_MS:
-            return base, per, exp0
-        return base0, per0, exp0  # the reads explain every step (the prior's line is kept)
+            return base, per
+        return base0, per0

@@ -390,14 +390,14 @@ def test_trace_has_one_line_per_completed_order(elastic, tmp_path, caplog) -> No
         resident_sets={"0": [3, 1, 4, 0, 5], "1": [7, 6, 5, 4], "2": [0, 1, 2, 3, 4, 5]},
         pool=dict(expert_pages=45, load_buffer_pages=24, kv_split_expert_pages=0,
                   free_expert_pages=15, kv_pages_used=0, trapped_kv_pages=0),
-        waiting=3)
+        waiting=3, running=0)
     assert lines[1] == dict(
         round=1, seq=2, reason="high_water: R_b=0 F_b=15 in_flight_pages=0",
         evicted=[], restored=[[2, 6], [2, 7]], resident=17,
         resident_sets={"0": [3, 1, 4, 0, 5], "1": [7, 6, 5, 4], "2": list(range(8))},
         pool=dict(expert_pages=51, load_buffer_pages=24, kv_split_expert_pages=0,
                   free_expert_pages=9, kv_pages_used=0, trapped_kv_pages=0),
-        waiting=0)
+        waiting=0, running=0)
     assert round_lines(caplog)[1] == (
         "sglang-rimuru round 1 (order 2, high_water: R_b=0 F_b=15 in_flight_pages=0): experts "
         "out [-] in [L2E6, L2E7]; resident 17/24; pool expert pages: experts 51, load buffers "

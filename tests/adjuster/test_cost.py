@@ -143,45 +143,71 @@ def test_step_clock_fits_a_line_and_keeps_the_prior_until_it_can():
 def test_step_clock_keeps_offloaded_reads_out_of_the_per_request_slope():
     from sglang_rimuru.adjuster.cost import StepClock
 
-    # steps of 4 ms + 0.02 ms a request + 0.25 ms per expert read, the reads varying
-    # on their own (the set out changes between orders)
+    # steps of 4 ms + 0.02 ms a request, + 0.25 ms per expected read once experts are out
+    line = lambda b: 4.0 + 0.02 * b  # noqa: E731
     clock = StepClock(prior=(3.0, 0.1, 0.34), min_samples=8)
-    for i in range(40):
-        b, r = 1 + (7 * i) % 64, float((11 * i) % 50)
-        clock.record(b, 4.0 + 0.02 * b + 0.25 * r, r)
-    assert clock.fit() == pytest.approx((4.0, 0.02, 0.25))
-    # the old fit (no reads) would have priced a request at far more than 0.02 ms
-    # whenever the batch grew while experts were out. Reads that follow the batch
-    # (here exactly) cannot be told from it: expert_ms stays the prior's and the line is
-    # fitted to what is left
-    tied = StepClock(prior=(3.0, 0.1, 0.25), min_samples=8)
     for b in range(1, 41):
-        tied.record(b, 4.0 + 0.02 * b + 0.25 * (0.5 * b), 0.5 * b)
-    base, per, exp = tied.fit()
-    assert exp == 0.25 and base == pytest.approx(4.0) and per == pytest.approx(0.02)
-    # reads that only saturate with the batch (one set out throughout) are told apart
+        clock.record(b, line(b))
+    assert clock.fit() == pytest.approx((4.0, 0.02, 0.34))  # nothing read yet: the prior's expert_ms
+    # reads that follow the batch exactly (every expert out is read by every step once
+    # the batch is large): a joint fit cannot tell them from requests; the resident line can
+    for b in range(1, 41):
+        clock.record(b, line(b) + 0.25 * (0.5 * b), 0.5 * b)
+    assert clock.fit() == pytest.approx((4.0, 0.02, 0.25))
+    # reads that only saturate with the batch (one set out throughout)
     curved = StepClock(prior=(3.0, 0.1, 0.34), min_samples=8)
     for b in range(1, 41):
+        curved.record(b, line(b))
         r = 10 * touched(UNIFORM, b)
-        curved.record(b, 4.0 + 0.02 * b + 0.25 * r, r)
+        curved.record(b, line(b) + 0.25 * r, r)
     assert curved.fit() == pytest.approx((4.0, 0.02, 0.25))
+    # below min_samples reading steps the prior's expert_ms stands
+    few = StepClock(prior=(3.0, 0.1, 0.34), min_samples=8)
+    for b in range(1, 8):
+        few.record(b, line(b) + 2.5, 10.0)
+    assert few.fit() == (3.0, 0.1, 0.34)
+
+
+def test_step_clock_puts_a_pcie_bound_step_into_its_reads():
+    from sglang_rimuru.adjuster.cost import CostModel, StepClock
+
+    # The H200's elastic32 of 2026-12-01: 480 uniform experts out, steps of ~350 ms at
+    # batch 77-111, no step without reads (experts went out in the first burst). The old
+    # joint fit kept expert_ms = 0.336 and made base ~190 ms: one more request looked
+    # free and every eviction paid. Against the prior's resident line the steps' excess
+    # is their reads.
+    prior = (5.9, 0.17, 0.336)
+    clock = StepClock(prior=prior, min_samples=8)
+    for i in range(40):
+        b = 77 + i % 35
+        r = 480 * touched(UNIFORM, b)
+        clock.record(b, 5.9 + 0.17 * b + 0.7 * r, r)
+    base, per, exp = clock.fit()
+    assert (base, per) == (5.9, 0.17) and exp == pytest.approx(0.7)
+    # the first eviction of that run (34 experts out, the KV's batch from 22 to 52 requests)
+    # pays with the joint fit's numbers and not with these
+    joint = CostModel(expert_ms=0.336, base_ms=190.0, per_request_ms=0.17)
+    assert joint.eviction_pays(22, 30, [], [UNIFORM] * 34)
+    assert not CostModel(expert_ms=exp, base_ms=base, per_request_ms=per).eviction_pays(22, 30, [], [UNIFORM] * 34)
 
 
 def test_step_clock_never_fits_a_step_of_no_time():
     from sglang_rimuru.adjuster.cost import CostModel, StepClock
 
-    # a PCIe-bound run (the H200, 480 uniform experts out): every step is its reads;
-    # the clamped line would be (0, 0), which no CostModel accepts
+    # resident steps that get faster with the batch (noise): the slope clamps to 0
     clock = StepClock(prior=(3.7, 0.023, 0.34), min_samples=8)
-    for i in range(40):
-        b, r = 60 + i, 400.0 + (13 * i) % 70
-        clock.record(b, 0.5 * r - 0.01 * b, r)
-    fit = clock.fit()
-    assert fit[0] + fit[1] > 0
-    CostModel(expert_ms=fit[2], base_ms=fit[0], per_request_ms=fit[1])  # valid
-    # steps that are exactly their reads: the line clamps to (0, 0), so the prior is kept
-    exact = StepClock(prior=(3.7, 0.023, 0.34), min_samples=8)
-    for i in range(40):
-        b, r = 60 + i, 400.0 + (13 * i) % 70
-        exact.record(b, 0.34 * r, r)
-    assert exact.fit() == (3.7, 0.023, 0.34)
+    for b in range(1, 41):
+        clock.record(b, 6.0 - 0.01 * b)
+    base, per, exp = clock.fit()
+    assert per == 0.0 and base == pytest.approx(6.0 - 0.01 * 20.5) and exp == 0.34
+    CostModel(expert_ms=exp, base_ms=base, per_request_ms=per)  # valid
+    # a line that clamps to (0, 0) is never returned: the prior's is
+    zero = StepClock(prior=(3.7, 0.023, 0.34), min_samples=8)
+    for b in range(1, 41):
+        zero.record(b, 1e-6 * (41 - b))
+    assert zero.fit() == (3.7, 0.023, 0.34)
+    # reads that took less than the line: expert_ms stays the prior's, never <= 0
+    fast = StepClock(prior=(3.7, 0.023, 0.34), min_samples=8)
+    for b in range(1, 41):
+        fast.record(b, 1.0, 5.0)
+    assert fast.fit() == (3.7, 0.023, 0.34)

@@ -4,7 +4,9 @@ The pool is deliberately small: every expert resident plus 200 tokens of KV
 (``--max-total-tokens 200``), offload limit 4 of 8 per layer. A burst of 16
 concurrent requests of ~60 tokens each cannot fit, so the adjuster evicts
 experts to make room, up to the offload limit; once the queue is empty the
-free pages exceed the high water and the experts come back. Every request
+free pages exceed the high water and the experts come back, also under one
+long request still running (the finished requests' cached prefixes give way
+whenever nothing waits). Every request
 must finish with the same greedy ids as a plain (mode off) server; the pool
 invariants are checked after every completed order inside the server
 (``SGLANG_RIMURU_CHECK_INVARIANTS=1``: a violation kills the scheduler, so
@@ -33,6 +35,7 @@ ELASTIC = ["--rimuru-mode", "elastic", "--rimuru-expert-offload-limit", "4", "--
            "--context-length", "512"]
 CHECKED = {"SGLANG_RIMURU_CHECK_INVARIANTS": "1"}
 BURST = [f"request {i}: " + "word " * 30 for i in range(16)]
+LONG = "a long answer: " + "word " * 8
 
 
 def burst(srv) -> list[list[int]]:
@@ -62,6 +65,7 @@ def test_burst_evicts_experts_quiet_restores_them_outputs_equal_off(tmp_path, mo
                        tmp_path / "off.log")
     try:
         expected = burst(off)
+        expected_tail = generate(off, LONG, max_new_tokens=160)["output_ids"]
     finally:
         off.stop()
 
@@ -70,6 +74,8 @@ def test_burst_evicts_experts_quiet_restores_them_outputs_equal_off(tmp_path, mo
                        tmp_path / "elastic.log", env=CHECKED)
     try:
         got = burst(srv)
+        # the burst's tail: one long request still runs while the finished ones' cache holds the pages
+        tail = generate(srv, LONG, max_new_tokens=160)["output_ids"]
         lines = wait_all_resident(trace, total=16)
         metrics = requests.get(srv.url + "/metrics", timeout=30).text
         again = burst(srv)  # the server keeps serving after the split moved both ways
@@ -78,6 +84,12 @@ def test_burst_evicts_experts_quiet_restores_them_outputs_equal_off(tmp_path, mo
 
     assert got == expected
     assert again == expected
+    assert tail == expected_tail  # experts came back under it: same greedy ids
+    # nothing waited, a request ran: the finished requests' cache gave way and every expert
+    # came back under it (before, the cache held the pages: the tail's growth evicted experts
+    # one by one down to the offload limit, and they returned only once nothing ran)
+    assert any(line["restored"] and line["resident"] == 16 and line["running"] >= 1 and line["waiting"] == 0
+               for line in lines), [(line["resident"], line["running"], line["waiting"]) for line in lines]
     # experts left under the burst, down to the offload limit, and all came back
     assert min(line["resident"] for line in lines) == 8
     assert sum(len(line["evicted"]) for line in lines) >= 8

@@ -58,9 +58,12 @@ def active() -> "RimuruRuntime | None":
     return _ACTIVE
 
 
-#: decode step (base ms, ms per request) assumed until decode rounds were timed
-#: (the Qwen1.5-MoE shape on the H200 with CUDA graphs: 3.75 ms at 1, 4.47 ms at 32)
-STEP_PRIOR_MS = (3.7, 0.025)
+#: decode step (base ms, ms per request) assumed until decode rounds were timed: plain
+#: SGLang serving ShareGPT on the H200 (Qwen1.5-MoE shape, CUDA graphs: 6.6 ms at batch < 8,
+#: 9.7 at 16-23, 11.6 at 32-35). Not a decode probe's line (3.75 ms at 1, 4.47 at 32, short
+#: contexts): under that a request looked nearly free and the first burst's evictions
+#: all paid (bench/RESULTS.md, elastic32 of 2026-12-01)
+STEP_PRIOR_MS = (5.9, 0.17)
 #: in-place reads reached 93 % of a pinned copy on the H200 (bench/RESULTS.md)
 IN_PLACE_SHARE = 0.93
 
