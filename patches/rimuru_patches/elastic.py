@@ -214,10 +214,15 @@ def _decode_shortfall(orig, ctx):
 class _StepTiming:
     """Decode step times for the cost-aware adjuster (``--rimuru-adjuster-policy cost``).
 
-    The time between two consecutive decode rounds is one decode step of the
-    first round's batch (under the overlap scheduler, whichever of the GPU pass
-    and the CPU's scheduling is longer: what bounds throughput), with the
-    offloaded experts it was expected to read. Every ``REFIT_ROUNDS`` rounds the
+    The time between two consecutive decode rounds is one decode step (under the
+    overlap scheduler, whichever of the GPU pass and the CPU's scheduling is
+    longer: what bounds throughput), with the offloaded experts it was expected
+    to read. It is recorded only when the round before those two was a decode
+    round as well: under the overlap scheduler round ``i + 1`` starts once pass
+    ``i - 1`` has finished, so the first decode interval after a prefill is
+    mostly that prefill (on the H200 such intervals averaged 144-218 ms against
+    decode steps of ~10 ms, and made one more request look free: bench/RESULTS.md).
+    Every ``REFIT_ROUNDS`` rounds the
     fit (step line and per-expert PCIe time) replaces the cost model's; at TP > 1
     rank 0's fit is broadcast over SGLang's TP CPU group so that every rank
     plans with the same numbers (the orders must agree).
@@ -227,7 +232,8 @@ class _StepTiming:
     LOG_S = 60.0  # the fit's log line, at most this often
     logged = float("-inf")
     clock = None
-    last: tuple[float, int] | None = None  # (time, batch size) of the last decode round
+    last: tuple[float, int] | None = None  # (time, batch size) of the last round, if decode
+    before_last = False  # the round before that was a decode round too
     reads_key: tuple | None = None  # (last order seq, orders in flight, batch) of ``reads``
     reads = 0.0
     rounds = 0
@@ -244,7 +250,7 @@ class _StepTiming:
             cls.clock = StepClock(prior=(cost.base_ms, cost.per_request_ms, cost.expert_ms))
         now = time.monotonic()
         decode = batch is not None and batch.forward_mode.is_decode()
-        if decode and cls.last is not None:
+        if decode and cls.last is not None and cls.before_last:
             # the step's expected offloaded reads (experts out now ~ out then) keep
             # their PCIe time out of the per-request slope (cost.py: the ratchet)
             key = (adjuster.last_seq, len(adjuster.in_flight), cls.last[1])
@@ -253,6 +259,7 @@ class _StepTiming:
                 cls.reads = cost.expected_reads(adjuster.offloaded_token_probabilities(), cls.last[1])
             reads = cls.reads
             cls.clock.record(cls.last[1], 1e3 * (now - cls.last[0]), reads)
+        cls.before_last = cls.last is not None
         cls.last = (now, len(batch.reqs)) if decode else None
         cls.rounds += 1
         if cls.rounds % cls.REFIT_ROUNDS:

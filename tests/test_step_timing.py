@@ -1,0 +1,71 @@
+"""``_StepTiming`` (the ``elastic.round`` seam): which round intervals are decode steps.
+
+Under SGLang's overlap scheduler round ``i + 1`` starts once pass ``i - 1`` has
+finished, so the interval after a prefill round is mostly that prefill. On the
+H200 such intervals (144-218 ms against ~10 ms decode steps) became the cost
+model's base step time and every eviction paid. Only decode intervals preceded
+by a decode round are recorded.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from rimuru_patches import elastic
+from sglang_rimuru.adjuster.cost import CostModel
+
+
+class _Mode:
+    def __init__(self, decode: bool) -> None:
+        self.decode = decode
+
+    def is_decode(self) -> bool:
+        return self.decode
+
+
+def _batch(kind: str, size: int):
+    return None if kind == "idle" else SimpleNamespace(forward_mode=_Mode(kind == "decode"), reqs=[None] * size)
+
+
+@pytest.fixture
+def timing(monkeypatch):
+    st = elastic._StepTiming
+    for name, value in (("clock", None), ("last", None), ("before_last", False), ("reads_key", None),
+                        ("reads", 0.0), ("rounds", 0)):
+        monkeypatch.setattr(st, name, value)
+    adjuster = SimpleNamespace(cost=CostModel(expert_ms=0.3, base_ms=5.9, per_request_ms=0.17), last_seq=0,
+                               in_flight=(), offloaded_token_probabilities=lambda: [])
+    ctl = SimpleNamespace(adjuster=adjuster)
+    now = [0.0]
+    monkeypatch.setattr(elastic.time, "monotonic", lambda: now[0])
+
+    def run(rounds):
+        """``rounds``: (kind, batch size, seconds the round's interval lasts)."""
+        for kind, size, secs in rounds:
+            st.round(None, ctl, _batch(kind, size))
+            now[0] += secs
+        return list(st.clock._samples)
+
+    return run
+
+
+def test_only_decode_intervals_after_a_decode_round_are_steps(timing):
+    samples = timing([
+        ("prefill", 4, 0.2),   # a 2048-token chunk
+        ("decode", 4, 0.15),   # its interval is mostly the prefill still on the GPU: not a step
+        ("decode", 4, 0.01),   # decode after decode: a step of 10 ms at batch 4
+        ("decode", 5, 0.011),  # 11 ms at batch 5
+        ("decode", 5, 0.3),    # followed by a prefill round: not known to be a step
+        ("prefill", 1, 0.1),
+        ("decode", 6, 0.2),    # after a prefill again: not a step
+        ("decode", 6, 0.012),  # 12 ms at batch 6
+        ("decode", 6, 0.4),    # followed by an idle round: not known to be a step
+        ("idle", 0, 1.0),      # nothing to run: the next decode starts a new run
+        ("decode", 2, 0.5),
+        ("decode", 2, 0.008),  # 8 ms at batch 2
+        ("decode", 2, 0.0),
+    ])
+    assert [(b, round(ms, 6), r) for b, ms, r in samples] == [(4, 10.0, 0.0), (5, 11.0, 0.0), (6, 12.0, 0.0),
+                                                              (2, 8.0, 0.0)]
