@@ -61,11 +61,30 @@ def sync_capacity(scheduler) -> None:
     session_held == max_total_num_tokens``; with a moving split the right total
     is what KV holds plus what it could take now. ``Scheduler.max_total_num_tokens``
     stays the most KV can ever have (it bounds request lengths), and so does the
-    pool-stats observer's copy (frozen; SGLang's token usage is reported
-    against that maximum).
+    pool-stats observer's copy (a frozen dataclass field; ``_token_usage``
+    reports against the KV there is now instead).
     """
     alloc = scheduler.token_to_kv_pool_allocator
     scheduler.invariant_checker.max_total_num_tokens = alloc.held_count + alloc.available_size()
+
+
+def _token_usage(orig, ctx):
+    """``#token`` and token usage (decode log, /metrics) of the KV there is now.
+
+    SGLang computes ``used = max_total - available - evictable`` against its
+    fixed maximum, so pages the experts hold counted as used tokens: the H200
+    run logged "#token: 46125, token usage: 0.98" with one request running.
+    """
+    import dataclasses
+
+    def _get_token_info(self):
+        stats = orig(self)
+        alloc = self.token_to_kv_pool_allocator
+        total = alloc.held_count + alloc.available_size()
+        used = stats.full_num_used - (self.max_total_num_tokens - total)
+        return dataclasses.replace(stats, full_num_used=used, full_token_usage=used / total if total else 0.0)
+
+    return _get_token_info
 
 
 def _after_change(scheduler) -> None:
@@ -347,5 +366,6 @@ for _name, _target, _why, _build in (
     ("elastic.round", f"{_SCHED}.get_next_batch_to_run", "plan each round's migration order after the batch is chosen", _round),
     ("elastic.prefill_shortfall", "sglang.srt.managers.schedule_policy:PrefillAdder.add_one_req", "a prefill refused for lack of KV is the round's shortfall", _prefill_shortfall),
     ("elastic.decode_shortfall", "sglang.srt.managers.schedule_batch:ScheduleBatch.check_decode_mem", "evict experts before SGLang retracts decode requests", _decode_shortfall),
+    ("elastic.token_usage", "sglang.srt.managers.scheduler_components.pool_stats_observer:SchedulerPoolStatsObserver._get_token_info", "report KV usage against the KV the split gives now", _token_usage),
 ):
     register(Seam(name=_name, target=_target, why=_why, build=_build, applies=_on))

@@ -99,6 +99,12 @@ def test_burst_evicts_experts_quiet_restores_them_outputs_equal_off(tmp_path, mo
     for line in lines:  # the offload limit holds in every round
         assert all(len(experts) >= 4 for experts in line["resident_sets"].values()), line
     log = srv.log()
+    # SGLang's decode log counts the KV requests hold, of the KV there is now: the long
+    # request alone holds at most its prompt and 160 new tokens (bytes: one token each),
+    # whatever the experts took back
+    alone = [(int(m[1]), float(m[2])) for m in re.finditer(
+        r"#running-req: 1, #token: (\d+), token usage: ([\d.]+),.*#queue-req: 0", log)]
+    assert alone and all(tokens <= len(LONG.encode()) + 160 and usage <= 1.0 for tokens, usage in alone), alone
     rounds = [ln for ln in log.splitlines() if "sglang-rimuru round" in ln]
     assert len(rounds) >= len(lines)  # one log line per changed round (the second burst adds more)
     assert "experts out [" in rounds[0] and "waiting requests" in rounds[0]
