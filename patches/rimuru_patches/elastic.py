@@ -100,13 +100,14 @@ def _after_change(scheduler) -> None:
         scheduler.running_batch.batch_is_full = False
 
 
-def _free_cache_for_restores(scheduler, ctl) -> None:
-    """Nothing waits: evict cached prefixes (LRU first) so offloaded experts can come back."""
+def _cache_gives_way(scheduler, ctl) -> None:
+    """Nothing waits: evict cached prefixes (LRU first) so offloaded experts can come back,
+    and so a running request's growth takes cache pages before an expert's."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     from rimuru_patches.unified_pool.runtime import active
 
-    pages = ctl.pages_wanted_for_restore()
+    pages = ctl.pages_wanted_from_cache()
     cache = scheduler.tree_cache
     if pages and cache.evictable_size() > 0:
         cache.evict(EvictParams(num_tokens=pages * active().plan.kv_pages_per_expert_page))
@@ -164,7 +165,7 @@ def _round(orig, ctx):
             # run (as load falls the cache of finished requests would otherwise hold
             # the pages, and the running tail keeps paying for its offloaded experts)
             ctl.clear_demand()
-            _free_cache_for_restores(self, ctl)
+            _cache_gives_way(self, ctl)
         busy = plan.batch_to_run is not None or bool(self.waiting_queue) or not plan.running_batch.is_empty()
         running = len(plan.running_batch.reqs) if plan.running_batch is not None else 0
         batch = plan.batch_to_run

@@ -42,8 +42,9 @@ only when evicting every unlocked cached prefix would not be enough.  Cached
 prefixes are the cheaper loss (a recomputation on a later hit); an evicted
 expert costs a host copy in every pass that routes to it.  For the same
 reason, whenever nothing waits (requests may be running) cached prefixes
-give way to restores: ``pages_wanted_for_restore`` tells the integrator how
-many expert pages to free from the radix cache.  (Measured on the H200: as a
+give way to restores, and to the low water before an expert does:
+``pages_wanted_from_cache`` tells the integrator how many expert pages to free
+from the radix cache.  (Measured on the H200: as a
 burst drained, the cache of finished requests held every page and the last
 requests ran at 80 tok/s with 480 experts out.)  While requests wait,
 restores take only whole free expert pages.
@@ -176,21 +177,26 @@ class ElasticController:
         freed = self.settle()
         return any(o.evict for o in freed)
 
-    def pages_wanted_for_restore(self) -> int:
-        """Expert pages that must come free before the next restore is planned
-        (0 when nothing is offloaded, restoring is off, or an order is in flight).
+    def pages_wanted_from_cache(self) -> int:
+        """Whole free expert pages to make from the radix cache when nothing waits
+        (0 with a standing demand or an order in flight).
 
-        When nothing waits the integrator frees them from the radix cache: a hot
-        expert is worth more to the running requests and the next burst than an
-        idle cached prefix.
+        While experts are out (and restoring is on): enough for the next restore
+        (the restore threshold plus one expert), because a hot expert is worth more
+        to the running requests and the next burst than an idle cached prefix.
+        Otherwise enough to stay clear of the low water (plus one expert): a running
+        request's KV growing into the last free pages would make the low-water rule
+        evict an expert the cache could spare, and the next round would restore it
+        (seen on the H200: one request alone, an eviction and a restore every 3-6 s).
         """
         adj, res = self.adjuster, self.adjuster.residency
         policy = adj.policy
-        if adj.in_flight or policy.max_restores_per_round == 0 or self._demand:
+        if adj.in_flight or self._demand:
             return 0
-        if res.num_resident() == len(res.shape.layer_ids) * res.shape.num_experts:
-            return 0
-        return max(0, policy.restore_high_water + policy.pages_per_expert - adj.page_pool.free_expert_page_count())
+        target = policy.evict_low_water + policy.pages_per_expert
+        if policy.max_restores_per_round and res.num_resident() < len(res.shape.layer_ids) * res.shape.num_experts:
+            target = policy.restore_high_water + policy.pages_per_expert
+        return max(0, target - adj.page_pool.free_expert_page_count())
 
     # ---------------------------------------------------------------- the worker's turns
 

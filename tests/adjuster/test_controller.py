@@ -550,3 +550,28 @@ def test_a_priced_out_shortfall_is_counted_and_logged_once_per_interval(elastic,
                      "experts' PCIe time per decode step would cost more than the requests it admits "
                      "(running 4, waiting 5); SGLang queues or retracts instead"]
     assert free_pages(e.pool) == [78, 79, 80, 81, 82, 83]  # nothing moved
+
+
+# ---------------------------------------------------------------- the radix cache gives way
+
+
+def test_cache_gives_way_to_restores_and_ahead_of_the_low_water(elastic) -> None:
+    # experts out (18 of 24 resident) and 6 whole free pages: enough for the next
+    # restore is the restore threshold (9) plus one expert (3 pages)
+    e = elastic()
+    ctl, pool = e.ctl, e.pool
+    assert e.res.num_resident() == 18 and pool.free_expert_page_count() == 6
+    assert ctl.pages_wanted_from_cache() == 9 + 3 - 6
+    ctl.note_demand(5)  # a standing demand takes what comes free: nothing from the cache for restores
+    assert ctl.pages_wanted_from_cache() == 0
+    ctl.clear_demand()
+    # every expert resident, 2 whole free pages: enough to stay clear of the low water
+    # (2) plus one expert, so that a running request's growth takes cached pages first
+    full = elastic(pages=98)
+    for l in full.res.shape.layer_ids:
+        for x in range(8):
+            if x not in full.res.resident(l):
+                pages = full.pool.alloc_expert_pages(3, expert_owners(l, x))
+                full.res.admit(l, x, pages)
+    assert full.res.num_resident() == 24 and full.pool.free_expert_page_count() == 2
+    assert full.ctl.pages_wanted_from_cache() == 2 + 3 - 2

