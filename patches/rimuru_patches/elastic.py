@@ -161,9 +161,10 @@ def _round(orig, ctx):
             _attach(self, ctl)
         plan = orig(self, *args, **kwargs)
         if not self.waiting_queue:
-            # nothing waits: cached prefixes give way to restores, also while requests
-            # run (as load falls the cache of finished requests would otherwise hold
-            # the pages, and the running tail keeps paying for its offloaded experts)
+            # nothing waits: cached prefixes give way to restores and ahead of the low
+            # water, also while requests run (as load falls the cache of finished requests
+            # would otherwise hold the pages, and the running tail keeps paying for its
+            # offloaded experts or evicts one to grow)
             ctl.clear_demand()
             _cache_gives_way(self, ctl)
         busy = plan.batch_to_run is not None or bool(self.waiting_queue) or not plan.running_batch.is_empty()
