@@ -16,7 +16,7 @@ only:
 * in-place reads of host experts at 51.2 GB/s (bench/RESULTS.md, zero-copy);
 * a ShareGPT request's mean KV over its life: 291 prompt tokens + half of its 216
   output tokens (the 500 requests of the 10 req/s runs: 145,734 in, 107,938 out);
-* the shapes' expert and KV-token bytes (bf16, from their configs).
+* the shapes' expert and KV-token bytes (bf16, ``sglang_rimuru.models``' specs).
 
 Qwen3-30B-A3B's rows use Qwen1.5's step line (its own serving line is not
 measured yet), so they show the bytes' effect, not that model's steps.
@@ -35,12 +35,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from sglang_rimuru.adjuster.cost import CostModel, touched  # noqa: E402
+from sglang_rimuru.models.specs import get_spec, moe_shape  # noqa: E402
 
-#: name: (hidden, moe_intermediate, layers, kv_heads, head_dim, experts, top_k)
-SHAPES = {
-    "Qwen1.5-MoE-A2.7B": (2048, 1408, 24, 16, 128, 60, 4),
-    "Qwen3-30B-A3B": (2048, 768, 48, 4, 128, 128, 8),
-}
+#: table name: the project's model spec of that shape
+SHAPES = {"Qwen1.5-MoE-A2.7B": "qwen1.5-moe-a2.7b", "Qwen3-30B-A3B": "qwen3-30b-a3b"}
 STEP_LINE_MS = (5.9, 0.17)
 READ_GBPS = 51.2
 REQUEST_KV_TOKENS = 145_734 / 500 + 107_938 / 500 / 2
@@ -67,13 +65,13 @@ def break_even(cost: CostModel, batch: int, experts_per_request: float) -> float
 
 def rows() -> list[dict]:
     out = []
-    for name, (hidden, inter, layers, kv_heads, head_dim, experts, top_k) in SHAPES.items():
-        expert_bytes = 3 * hidden * inter * 2
-        kv_token_bytes = layers * 2 * kv_heads * head_dim * 2
-        tokens_per_expert = expert_bytes / kv_token_bytes
+    for name, spec in SHAPES.items():
+        shape = moe_shape(get_spec(spec).config)
+        expert_bytes = shape.expert_bytes
+        tokens_per_expert = expert_bytes / shape.kv_bytes_per_token
         per_request = REQUEST_KV_TOKENS / tokens_per_expert
         cost = CostModel.for_expert(expert_bytes, READ_GBPS, *STEP_LINE_MS)
-        uniform = top_k / experts
+        uniform = shape.top_k / shape.num_experts
         for b in BATCHES:
             p = break_even(cost, b, per_request)
             out.append(dict(model=name, batch=b, expert_mib=expert_bytes / 2**20, kv_tokens_per_expert=tokens_per_expert,

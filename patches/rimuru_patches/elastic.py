@@ -54,6 +54,11 @@ def _controller():
     return None if runtime is None else runtime.elastic
 
 
+def _kv_now(alloc) -> int:
+    """The KV the split gives now: what KV holds plus what it could take now."""
+    return alloc.held_count + alloc.available_size()
+
+
 def sync_capacity(scheduler) -> None:
     """Point SGLang's fixed copies of the KV capacity at the pool's current one.
 
@@ -64,8 +69,7 @@ def sync_capacity(scheduler) -> None:
     pool-stats observer's copy (a frozen dataclass field; ``_token_usage``
     reports against the KV there is now instead).
     """
-    alloc = scheduler.token_to_kv_pool_allocator
-    scheduler.invariant_checker.max_total_num_tokens = alloc.held_count + alloc.available_size()
+    scheduler.invariant_checker.max_total_num_tokens = _kv_now(scheduler.token_to_kv_pool_allocator)
 
 
 def _token_usage(orig, ctx):
@@ -79,8 +83,7 @@ def _token_usage(orig, ctx):
 
     def _get_token_info(self):
         stats = orig(self)
-        alloc = self.token_to_kv_pool_allocator
-        total = alloc.held_count + alloc.available_size()
+        total = _kv_now(self.token_to_kv_pool_allocator)
         used = stats.full_num_used - (self.max_total_num_tokens - total)
         return dataclasses.replace(stats, full_num_used=used, full_token_usage=used / total if total else 0.0)
 
@@ -102,14 +105,15 @@ def _after_change(scheduler) -> None:
 
 def _cache_gives_way(scheduler, ctl) -> None:
     """Nothing waits: evict cached prefixes (LRU first) so offloaded experts can come back,
-    and so a running request's growth takes cache pages before an expert's."""
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-    from rimuru_patches.unified_pool.runtime import active
-
+    and so a running request's growth takes cache pages before an expert's. (Every
+    round that nothing waits: the imports only when there is something to evict.)"""
     pages = ctl.pages_wanted_from_cache()
     cache = scheduler.tree_cache
     if pages and cache.evictable_size() > 0:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        from rimuru_patches.unified_pool.runtime import active
+
         cache.evict(EvictParams(num_tokens=pages * active().plan.kv_pages_per_expert_page))
         sync_capacity(scheduler)
 
