@@ -380,11 +380,17 @@ class Adjuster:
             # with the one it holds with the victims' pages too. (Priced at the batch
             # running now, victims look cheap while it is small - each is touched by few
             # steps - and every expert is read by every step once the freed KV has filled.)
+            # While requests run, the requests the victims admit are what their KV buys
+            # at the running requests' size, not the head's count: short prompts at the
+            # head grow into that size as they decode, and the victims stay out while the
+            # queue lasts (restores wait for whole free expert pages). On the H200 a
+            # burst's first eviction (6 running, 144 waiting) passed on the head's count.
             most = load.running + load.waiting
             cap = kv_used + pool.kv_capacity_now()
             batch = max(load.running, min(most, int(cap // kv_per_request)))
             after = min(most, int((cap + len(victims) * kv_per_expert) // kv_per_request))
-            admits = max(load.running + load.admits, after) - batch
+            head = load.admits if load.running == 0 else 0
+            admits = max(load.running + head, after) - batch
         return cost.eviction_pays(batch, admits, offloaded, new, kv_per_request, kv_per_expert)
 
     def _lookup(self, order: MigrationOrder | int) -> MigrationOrder:

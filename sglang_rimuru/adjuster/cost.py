@@ -196,23 +196,33 @@ class StepClock:
     slope, and a pool with many experts out would price a request far above an
     expert: the ratchet ``CostModel`` guards against.
 
-    ``fit`` works in two stages over the last ``window`` records, because under
-    load ``R`` follows ``B`` (every offloaded expert is read by every step once
-    the batch is large) and one joint least-squares fit cannot tell them apart:
-    on the H200 (bench/RESULTS.md, elastic32 of 2026-12-01) such a fit kept the
-    prior's ``expert_ms`` and put the rest of a 350 ms PCIe-bound step into
-    ``base_ms``, after which one more request looked nearly free and every
-    eviction paid.
+    ``fit`` works in two stages, because under load ``R`` follows ``B`` (every
+    offloaded expert is read by every step once the batch is large) and one joint
+    least-squares fit cannot tell them apart: on the H200 (bench/RESULTS.md,
+    elastic32 of 2026-12-01) such a fit kept the prior's ``expert_ms`` and put the
+    rest of a 350 ms PCIe-bound step into ``base_ms``, after which one more request
+    looked nearly free and every eviction paid.
 
-    1. The resident line ``base + per * B`` from the steps that read nothing
-       (``R == 0``): least squares once ``min_samples`` of them span two batch
-       sizes; with fewer, the prior's slope through their mean; with none, the
-       prior's line. Negative terms clamp to 0; a line that leaves no time at
-       batch 1 is never returned (the prior's is).
-    2. ``expert_ms`` from the steps that read offloaded experts, once
-       ``min_samples`` of them exist: what they took beyond the resident line,
-       per expected read (least squares through the origin); the prior's while
-       fewer, or if that comes out <= 0.
+    1. The resident line ``base + per * B`` from the last ``window`` steps that
+       read nothing (``R == 0``), kept apart from the reading steps: the line is
+       a property of the GPU and the model, and a burst with experts out for
+       minutes must not push it out of the window (the H200 run of ``3a91dd2``
+       fell back to the prior that way and priced reads against a line 25 %
+       off). Least squares once ``min_samples`` of them span ``MIN_SPAN``
+       batch sizes; with fewer, or a narrower span (a burst's first steps at
+       batch 1-6 fitted a flat line there: one more request looked free), the
+       prior's slope through their mean; with none, the prior's line. Negative
+       terms clamp to 0; a line that leaves no time at batch 1 is never
+       returned (the prior's is).
+    2. ``expert_ms`` from the last ``window`` steps that read offloaded experts,
+       once ``min_samples`` of them exist: what they took beyond the resident
+       line, per expected read (least squares through the origin); the prior's
+       while fewer. Never below ``(1 - MAX_HIDDEN) * prior``: the prior is the
+       expert's bytes over the measured PCIe rate, and at most ``MAX_HIDDEN``
+       of a read hides behind compute (bench/RESULTS.md: 0-25 %). With a few
+       experts out the reads are a small part of a step and the line's error
+       decides the fit: the H200 run of ``3a91dd2`` fitted 0.092 ms against a
+       measured 0.34 with 5 experts out, and then evicted 133 more.
 
     Whatever the resident line misses lands in ``expert_ms``: a line too fast
     for this GPU (the prior on a slower card) makes reads look dearer, so the
@@ -220,6 +230,8 @@ class StepClock:
     """
 
     MIN_STEP_MS = 1e-3  # a resident step's line must leave at least 1 us at batch 1
+    MIN_SPAN = 8  # a fitted slope needs resident steps at batch sizes this far apart
+    MAX_HIDDEN = 0.25  # the most of an offloaded read that compute hides (bench/RESULTS.md)
 
     def __init__(self, prior: tuple[float, float, float], window: int = 512, min_samples: int = 32) -> None:
         if window < 2 or min_samples < 2:
@@ -229,41 +241,46 @@ class StepClock:
         self.prior = tuple(float(v) for v in prior)
         self.window = window
         self.min_samples = min_samples
-        self._samples: list[tuple[int, float, float]] = []
+        self._resident: list[tuple[int, float]] = []  # (B, ms) of steps that read nothing
+        self._reading: list[tuple[int, float, float]] = []  # (B, ms, R) of the others
 
     def record(self, batch: int, ms: float, reads: float = 0.0) -> None:
         if batch <= 0 or not ms > 0 or not reads >= 0:
             return
-        self._samples.append((int(batch), float(ms), float(reads)))
-        if len(self._samples) > self.window:
-            del self._samples[: len(self._samples) - self.window]
+        samples = self._reading if reads > 0 else self._resident
+        samples.append((int(batch), float(ms), float(reads)) if reads > 0 else (int(batch), float(ms)))
+        if len(samples) > self.window:
+            del samples[: len(samples) - self.window]
 
     def __len__(self) -> int:
-        return len(self._samples)
+        return len(self._resident) + len(self._reading)
+
+    def samples(self) -> list[tuple[int, float, float]]:
+        """The kept ``(B, ms, R)`` records: the resident ones, then the reading ones."""
+        return [(b, t, 0.0) for b, t in self._resident] + list(self._reading)
 
     def fit(self) -> tuple[float, float, float]:
         """``(base_ms, per_request_ms, expert_ms)``."""
         base, per = self._resident_line()
         exp = self.prior[2]
-        reading = [(b, t, r) for b, t, r in self._samples if r > 0]
+        reading = self._reading
         if len(reading) >= self.min_samples:
             srr = sum(r * r for _, _, r in reading)
-            e = sum((t - base - per * b) * r for b, t, r in reading) / srr
-            if e > 0:
-                exp = e
-        return base, per, exp
+            exp = sum((t - base - per * b) * r for b, t, r in reading) / srr
+        return base, per, max(exp, (1.0 - self.MAX_HIDDEN) * self.prior[2])
 
     def _resident_line(self) -> tuple[float, float]:
         base0, per0, _ = self.prior
-        pts = [(b, t) for b, t, r in self._samples if r == 0]
+        pts = self._resident
         n = len(pts)
         if n == 0:
             return base0, per0
         mx, my = sum(b for b, _ in pts) / n, sum(t for _, t in pts) / n
-        sxx = sum((b - mx) ** 2 for b, _ in pts)
-        if n < self.min_samples or sxx == 0:
+        span = max(b for b, _ in pts) - min(b for b, _ in pts)
+        if n < self.min_samples or span < self.MIN_SPAN:
             base, per = max(0.0, my - per0 * mx), per0
         else:
+            sxx = sum((b - mx) ** 2 for b, _ in pts)
             per = max(0.0, sum((b - mx) * (t - my) for b, t in pts) / sxx)
             base = max(0.0, my - per * mx)
         if base + per > self.MIN_STEP_MS:

@@ -423,3 +423,28 @@ def test_between_requests_an_eviction_is_free_only_if_the_head_cannot_run_at_all
     assert order is None and adj.stats().decisions["priced_out"] == 1
     adj, order = plan(200)  # two of 100: none fits
     assert order is not None and order.evict
+
+
+def test_while_requests_run_the_victims_buy_what_their_kv_holds_not_the_heads_count():
+    """Two long requests run (40 KV pages each), forty short ones wait and the head
+    probe says twenty of them would get in with the victims' pages. They would, and
+    then grow into the running requests' size while the victims stay out: the KV the
+    victims free holds no third request of that size, so the eviction buys nothing.
+    (On the H200 a burst's first eviction, 6 running and 144 waiting, passed on the
+    head's count.) With nothing running the head's count stands (the test above)."""
+    from sglang_rimuru.adjuster import Load
+    from sglang_rimuru.adjuster.cost import CostModel
+
+    def plan(running):
+        rig = make_rig(pages=100)  # 46 free expert pages: 92 KV pages
+        for _ in range(running):
+            assert rig.pool.alloc_kv_pages(40) is not None
+        adj = Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking,
+                       cost=CostModel(expert_ms=0.05, base_ms=0.1, per_request_ms=0.01))
+        return adj, adj.plan_round(0, 100, Load(running=running, admits=20, waiting=40))
+
+    adj, order = plan(running=2)
+    assert order is None and adj.stats().decisions["priced_out"] == 1
+    # the same victims at the same price pay for twenty requests (the old count)
+    offloaded, new = adj.offloaded_token_probabilities(), [adj._token_p[l][e] for l, e in ((0, 5), (1, 2))]
+    assert adj.cost.eviction_pays(2, 20, offloaded, new)

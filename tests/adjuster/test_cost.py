@@ -143,7 +143,7 @@ def test_step_clock_fits_a_line_and_keeps_the_prior_until_it_can():
 def test_step_clock_keeps_offloaded_reads_out_of_the_per_request_slope():
     from sglang_rimuru.adjuster.cost import StepClock
 
-    # steps of 4 ms + 0.02 ms a request, + 0.25 ms per expected read once experts are out
+    # steps of 4 ms + 0.02 ms a request, + 0.3 ms per expected read once experts are out
     line = lambda b: 4.0 + 0.02 * b  # noqa: E731
     clock = StepClock(prior=(3.0, 0.1, 0.34), min_samples=8)
     for b in range(1, 41):
@@ -152,15 +152,15 @@ def test_step_clock_keeps_offloaded_reads_out_of_the_per_request_slope():
     # reads that follow the batch exactly (every expert out is read by every step once
     # the batch is large): a joint fit cannot tell them from requests; the resident line can
     for b in range(1, 41):
-        clock.record(b, line(b) + 0.25 * (0.5 * b), 0.5 * b)
-    assert clock.fit() == pytest.approx((4.0, 0.02, 0.25))
+        clock.record(b, line(b) + 0.3 * (0.5 * b), 0.5 * b)
+    assert clock.fit() == pytest.approx((4.0, 0.02, 0.3))
     # reads that only saturate with the batch (one set out throughout)
     curved = StepClock(prior=(3.0, 0.1, 0.34), min_samples=8)
     for b in range(1, 41):
         curved.record(b, line(b))
         r = 10 * touched(UNIFORM, b)
-        curved.record(b, line(b) + 0.25 * r, r)
-    assert curved.fit() == pytest.approx((4.0, 0.02, 0.25))
+        curved.record(b, line(b) + 0.3 * r, r)
+    assert curved.fit() == pytest.approx((4.0, 0.02, 0.3))
     # below min_samples reading steps the prior's expert_ms stands
     few = StepClock(prior=(3.0, 0.1, 0.34), min_samples=8)
     for b in range(1, 8):
@@ -206,8 +206,68 @@ def test_step_clock_never_fits_a_step_of_no_time():
     for b in range(1, 41):
         zero.record(b, 1e-6 * (41 - b))
     assert zero.fit() == (3.7, 0.023, 0.34)
-    # reads that took less than the line: expert_ms stays the prior's, never <= 0
+    # reads that took less than the line: expert_ms is the floor, never <= 0
     fast = StepClock(prior=(3.7, 0.023, 0.34), min_samples=8)
     for b in range(1, 41):
         fast.record(b, 1.0, 5.0)
-    assert fast.fit() == (3.7, 0.023, 0.34)
+    assert fast.fit() == pytest.approx((3.7, 0.023, 0.75 * 0.34))
+
+
+def test_step_clock_keeps_its_resident_line_through_a_long_burst():
+    """Steps that read nothing are kept apart from the reading ones: a burst with experts
+    out for longer than the window must not turn the fitted line back into the prior
+    (the H200 run of 3a91dd2 did, and priced reads against a line 25 % off)."""
+    from sglang_rimuru.adjuster.cost import StepClock
+
+    clock = StepClock(prior=(5.9, 0.17, 0.336), window=64, min_samples=8)
+    for b in range(1, 41):
+        clock.record(b, 3.3 + 0.29 * b)
+    for i in range(500):  # far more than the window, every one reading
+        b = 10 + i % 30
+        r = 5 * touched(UNIFORM, b)
+        clock.record(b, 3.3 + 0.29 * b + 0.34 * r, r)
+    assert clock.fit() == pytest.approx((3.3, 0.29, 0.34))
+    assert len(clock) == 40 + 64
+
+
+def test_step_clock_takes_no_slope_from_a_narrow_span():
+    """A burst's first resident steps (batch 1-6, intervals that carry prefill noise)
+    fitted a flat line on the H200, so one more request looked free: below MIN_SPAN
+    batch sizes apart the prior's slope goes through their mean."""
+    from sglang_rimuru.adjuster.cost import StepClock
+
+    clock = StepClock(prior=(5.9, 0.17, 0.336), min_samples=8)
+    for i in range(40):
+        b = 1 + i % 6
+        clock.record(b, 6.67 + (0.3 if i % 2 else -0.3) - 0.01 * b)
+    base, per, _ = clock.fit()
+    mb = sum(1 + i % 6 for i in range(40)) / 40
+    mt = sum(6.67 + (0.3 if i % 2 else -0.3) - 0.01 * (1 + i % 6) for i in range(40)) / 40
+    assert per == 0.17 and base == pytest.approx(mt - 0.17 * mb)
+    for b in range(8, 20):  # a wider span: the data's own slope
+        clock.record(b, 6.67 - 0.01 * b)
+    assert clock.fit()[1] == 0.0
+
+
+def test_step_clock_never_prices_a_read_below_what_pcie_allows():
+    """Five experts out, a resident line that is really 3.3 + 0.29 B priced against the
+    prior's 5.9 + 0.17 B: the reads' excess is mostly the line's error. The H200 run
+    of 3a91dd2 fitted 0.092 ms a read that way (PCIe: 0.336) and evicted 133 experts
+    into a 42 ms step; the floor keeps at least (1 - MAX_HIDDEN) of the PCIe time."""
+    from sglang_rimuru.adjuster.cost import CostModel, StepClock
+
+    clock = StepClock(prior=(5.9, 0.17, 0.336), min_samples=8)
+    for i in range(200):
+        b = 5 + i % 20
+        r = 5 * touched(UNIFORM, b)
+        clock.record(b, 3.3 + 0.29 * b + 0.336 * r, r)
+    base, per, exp = clock.fit()
+    assert (base, per) == (5.9, 0.17) and exp == pytest.approx(0.75 * 0.336)
+    raw = sum((3.3 + 0.29 * b + 0.336 * r - 5.9 - 0.17 * b) * r for b, r in
+              ((5 + i % 20, 5 * touched(UNIFORM, 5 + i % 20)) for i in range(200)))
+    assert raw / sum((5 * touched(UNIFORM, 5 + i % 20)) ** 2 for i in range(200)) < 0.15  # what it was
+    # the run's eviction of 32 more (15 running, 464 KV tokens a request, 88 an expert):
+    # it paid at 0.092 ms a read and does not at the floor
+    args = (15, 6, [UNIFORM] * 5, [UNIFORM] * 32, 464, 88)
+    assert CostModel(expert_ms=0.092, base_ms=5.9, per_request_ms=0.17).eviction_pays(*args)
+    assert not CostModel(expert_ms=exp, base_ms=base, per_request_ms=per).eviction_pays(*args)
