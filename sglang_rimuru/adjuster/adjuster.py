@@ -41,7 +41,9 @@ SGLang's overlap scheduler): with ``P`` = pages of in-flight victims,
                 max(0, P - R_b)       if R_b > 0
     so one shortfall is not answered twice while its victims are in flight;
   * a restore needs pages free NOW (they are reserved at once): at most
-    ``F_b // 3`` restores, and none while R_b > 0 (the KV cache is short now).
+    ``F_b // 3`` restores, and none while R_b > 0 (the KV cache is short now)
+    unless a cost model prices it ("restore_pays": whole free expert pages
+    the queue's head cannot use yet, never while victims are in flight).
 
 When do waiting requests get the pages?  Pages of an order's victims become
 allocatable in the first scheduling round that starts after ``complete`` for
@@ -206,6 +208,11 @@ class Adjuster:
         n_restore = min(decision.restore, max(0, f_b - taken) // ppe) if r_b == 0 else 0
         restores = (pick_restores(self.residency, self.ranking, n_restore, frozen)
                     if n_restore else [])
+        if not victims and not restores and p == 0 and self.cost is not None and load is not None:
+            # the thresholds restore nothing while requests wait; the price may
+            restores = self._restores_that_pay(load, max(0, f_b - taken) if r_b == 0 else f_b, stats, frozen)
+            if restores:
+                decision = Decision(0, len(restores), "restore_pays")
 
         self._n["rounds"] += 1
         self._decisions[decision.reason] += 1
@@ -392,6 +399,43 @@ class Adjuster:
             head = load.admits if load.running == 0 else 0
             admits = max(load.running + head, after) - batch
         return cost.eviction_pays(batch, admits, offloaded, new, kv_per_request, kv_per_expert)
+
+    def _restores_that_pay(self, load: Load, free_pages: int, stats, frozen) -> list[tuple[int, int]]:
+        """The experts to bring back into ``free_pages`` whole free expert pages while
+        requests wait: the most (up to the policy's per-round limit, most probable
+        first) whose return beats the batch the KV would otherwise hold; [] if none.
+
+        The mirror of an eviction's price (``_pays``): a queue fills whatever KV is
+        free, so pages a restore takes cost the requests they would have held at
+        the running requests' size. Without this the experts an eviction sent out
+        stayed out while the queue lasted (restores waited for the high water):
+        on the H200 (bench/RESULTS.md) 12 uniform experts stayed out for 80 s of
+        a burst with 20-55 whole expert pages free and the head refused.
+        """
+        ppe = self.policy.pages_per_expert
+        n_max = min(self.policy.max_restores_per_round, free_pages // ppe)
+        if n_max <= 0 or load.urgent or load.running <= 0 or load.waiting <= 0:
+            return []
+        back = pick_restores(self.residency, self.ranking, n_max, frozen)
+        if not back:
+            return []
+        cost, pool, geo = self.cost, self.page_pool, self.page_pool.geometry
+        kv_per_expert = ppe * geo.expert_page_bytes / geo.kv_page_bytes
+        kv_used = stats.kv_pages_used
+        kv_per_request = kv_used / load.running
+        most = load.running + load.waiting
+        cap = kv_used + pool.kv_capacity_now()
+        batch = max(load.running, min(most, int(cap // kv_per_request)))
+        offloaded = self.offloaded_token_probabilities()
+        now = cost.throughput(batch, offloaded)
+        for n in range(len(back), 0, -1):
+            rest = list(offloaded)
+            for l, e in back[:n]:
+                rest.remove(self._token_p[l][e])
+            after = min(most, int((cap - n * kv_per_expert) // kv_per_request))
+            if cost.throughput(after, rest) > (1.0 + cost.margin) * now:
+                return back[:n]
+        return []
 
     def _lookup(self, order: MigrationOrder | int) -> MigrationOrder:
         seq = order.seq if isinstance(order, MigrationOrder) else order

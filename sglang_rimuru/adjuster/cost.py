@@ -24,7 +24,8 @@ requests run; it pays when::
 with ``C`` the offloaded experts' cost now (at the new batch size on the left)
 and ``c_new`` the new victims'. With a waiting queue and nobody running (B = 0)
 admitting is always worth it. Restoring an offloaded expert never hurts a step;
-it costs KV pages, which matter only while requests wait.
+it costs KV pages, which matter only while requests wait (then the adjuster
+prices a restore with the same ``throughput``, mirrored: ``restore_pays``).
 
 That test alone is a ratchet (measured on the H200, bench/RESULTS.md): it asks
 only whether one more step of offloading beats the state now. Once many experts

@@ -32,8 +32,10 @@ FLAGS: dict[str, str] = {
 
 #: ``Decision.reason`` values.
 #: ("priced_out": the adjuster dropped an eviction that would not pay for its PCIe
-#: time, see ``cost.py``; the policy itself never returns it)
-REASONS: tuple[str, ...] = ("kv_short", "low_water", "high_water", "hold", "priced_out")
+#: time, see ``cost.py``; "restore_pays": while requests wait, it brought experts
+#: back into free pages because their PCIe time costs more than the requests those
+#: pages would hold; the policy itself returns neither)
+REASONS: tuple[str, ...] = ("kv_short", "low_water", "high_water", "hold", "priced_out", "restore_pays")
 
 
 class Decision(NamedTuple):

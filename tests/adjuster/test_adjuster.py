@@ -74,7 +74,8 @@ def test_shortfall_evicts_and_pages_free_only_after_complete() -> None:
     s = adj.stats()
     assert (s.rounds, s.orders, s.evictions, s.restores, s.completed_orders) == (3, 1, 3, 0, 1)
     assert (s.in_flight_orders, s.in_flight_victim_pages, s.reserved_restore_pages) == (0, 0, 0)
-    assert s.decisions == {"kv_short": 1, "low_water": 0, "high_water": 0, "hold": 2, "priced_out": 0}
+    assert s.decisions == {"kv_short": 1, "low_water": 0, "high_water": 0, "hold": 2, "priced_out": 0,
+                           "restore_pays": 0}
 
 
 def test_in_flight_projection_matches_instant_completion() -> None:
@@ -302,7 +303,7 @@ def test_random_rounds_keep_every_invariant() -> None:
     # the sequence exercised what it is meant to
     assert seen["evict"] > 50 and seen["restore"] > 50 and seen["abort"] > 0
     assert seen["max_in_flight"] >= 3 and seen["short"] > 50 and s.unmet_evictions > 0
-    assert all(v > 0 for r, v in s.decisions.items() if r != "priced_out"), s.decisions  # no cost model here
+    assert all(v > 0 for r, v in s.decisions.items() if r not in ("priced_out", "restore_pays")), s.decisions  # no cost model
 
 
 # --- a cost model: evictions must pay for their PCIe time (issue 12) -------------------
@@ -402,7 +403,8 @@ def test_a_queue_prices_the_eviction_at_the_batch_the_kv_will_hold():
     _, order = plan(waiting=0)  # nothing waits beyond the head: today's batch decides
     assert len(order.evict) == 3
     adj, order = plan(waiting=40)
-    assert order is None and adj.stats().decisions["priced_out"] == 1
+    # no eviction; the rig's hot offloaded experts (layer 2, p = .25) come back instead
+    assert not order.evict and order.reason.startswith("restore_pays")
 
 
 def test_between_requests_an_eviction_is_free_only_if_the_head_cannot_run_at_all():
@@ -444,7 +446,46 @@ def test_while_requests_run_the_victims_buy_what_their_kv_holds_not_the_heads_co
         return adj, adj.plan_round(0, 100, Load(running=running, admits=20, waiting=40))
 
     adj, order = plan(running=2)
-    assert order is None and adj.stats().decisions["priced_out"] == 1
+    assert not order.evict and order.reason.startswith("restore_pays")  # (the test below)
     # the same victims at the same price pay for twenty requests (the old count)
     offloaded, new = adj.offloaded_token_probabilities(), [adj._token_p[l][e] for l, e in ((0, 5), (1, 2))]
     assert adj.cost.eviction_pays(2, 20, offloaded, new)
+
+
+def test_while_requests_wait_offloaded_experts_come_back_when_their_price_says_so():
+    """The thresholds restore nothing while the queue's head is short, and SGLang's queue
+    takes every page that comes free: experts an eviction sent out stayed out for a whole
+    burst on the H200. With a cost model, whole free expert pages the head cannot use
+    yet take back the experts whose PCIe time costs more than the requests those pages
+    would hold (the mirror of an eviction's price)."""
+    from sglang_rimuru.adjuster import Load
+    from sglang_rimuru.adjuster.cost import CostModel
+
+    def plan(expert_ms, waiting=40):
+        rig = make_rig(pages=100)
+        for _ in range(10):  # ten requests of 4 KV pages run, 26 whole expert pages free
+            assert rig.pool.alloc_kv_pages(4) is not None
+        adj = Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking,
+                       cost=CostModel(expert_ms=expert_ms, base_ms=0.1, per_request_ms=0.01))
+        cap = rig.pool.stats().kv_pages_used + rig.pool.kv_capacity_now()
+        return adj, cap, adj.plan_round(0, 100, Load(running=10, admits=20, waiting=waiting))
+
+    _, _, order = plan(1e-6)  # PCIe nearly free: the head's shortfall is met by evictions
+    assert len(order.evict) == 6 and not order.restore
+    adj, _, order = plan(0.01)  # neither an eviction nor a restore pays
+    assert order is None and adj.stats().decisions["priced_out"] == 1
+    adj, cap, order = plan(0.05)
+    assert not order.evict and order.reason == "restore_pays: R_b=24 F_b=26 in_flight_pages=0"
+    assert [(m.layer, m.expert) for m in order.restore] == [(2, 6), (2, 7), (0, 7), (1, 1), (0, 6)]
+    assert adj.page_pool.free_expert_page_count() == 26 - 15
+    # by hand: the KV's batch at 4 pages a request, with and without the 5 x 6 KV pages
+    cost = adj.cost
+    out = sorted(adj.offloaded_token_probabilities())  # all six, none complete yet
+    rest = list(out)
+    for m in order.restore:
+        rest.remove(adj._token_p[m.layer][m.expert])
+    assert len(rest) == 1
+    now, after = cost.throughput(min(50, cap // 4), out), cost.throughput(min(50, (cap - 30) // 4), rest)
+    assert after > 1.01 * now
+    # nothing waits: the thresholds alone (a queue is what would fill the pages)
+    assert not plan(0.05, waiting=0)[2].reason.startswith("restore_pays")

@@ -13,6 +13,8 @@ first shortfalls, least probable first: (0, 2) 15..17, (1, 2) 33..35,
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 import random
@@ -538,8 +540,10 @@ def test_a_priced_out_shortfall_is_counted_and_logged_once_per_interval(elastic,
 
     e = elastic()
     ctl = e.ctl
-    # PCIe so slow that no eviction pays for the requests it admits
+    # PCIe so slow that no eviction pays for the requests it admits (and restoring off:
+    # at that price the hot offloaded experts would come back instead, "restore_pays")
     ctl.adjuster.cost = CostModel(expert_ms=1e6, base_ms=3.7, per_request_ms=0.025)
+    ctl.adjuster.policy = dataclasses.replace(ctl.adjuster.policy, max_restores_per_round=0)
     caplog.set_level(logging.INFO, logger=CTL_LOG)
     ctl.note_demand(26, requests=2)
     for r in range(3):  # the shortfall stands for three rounds
