@@ -401,9 +401,10 @@ class Adjuster:
         return cost.eviction_pays(batch, admits, offloaded, new, kv_per_request, kv_per_expert)
 
     def _restores_that_pay(self, load: Load, free_pages: int, stats, frozen) -> list[tuple[int, int]]:
-        """The experts to bring back into ``free_pages`` whole free expert pages while
-        requests wait: the most (up to the policy's per-round limit, most probable
-        first) whose return beats the batch the KV would otherwise hold; [] if none.
+        """The experts to bring back into ``free_pages`` whole free expert pages (less the
+        high water) while requests wait: the most (up to the policy's per-round limit,
+        most probable first) whose return beats the batch the KV would otherwise hold;
+        [] if none.
 
         The mirror of an eviction's price (``_pays``): a queue fills whatever KV is
         free, so pages a restore takes cost the requests they would have held at
@@ -413,7 +414,11 @@ class Adjuster:
         a burst with 20-55 whole expert pages free and the head refused.
         """
         ppe = self.policy.pages_per_expert
-        n_max = min(self.policy.max_restores_per_round, free_pages // ppe)
+        # Leave the high water free: the running requests grow into free pages every
+        # step, and a restore into their last pages makes the next decode shortfall
+        # evict again (on the H200 restores at 3-9 free pages alternated with urgent
+        # evictions of one expert, ~20 times in a run).
+        n_max = min(self.policy.max_restores_per_round, (free_pages - self.policy.restore_high_water) // ppe)
         if n_max <= 0 or load.urgent or load.running <= 0 or load.waiting <= 0:
             return []
         back = pick_restores(self.residency, self.ranking, n_max, frozen)

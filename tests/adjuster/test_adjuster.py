@@ -446,7 +446,7 @@ def test_while_requests_run_the_victims_buy_what_their_kv_holds_not_the_heads_co
         return adj, adj.plan_round(0, 100, Load(running=running, admits=20, waiting=40))
 
     adj, order = plan(running=2)
-    assert not order.evict and order.reason.startswith("restore_pays")  # (the test below)
+    assert order is None and adj.stats().decisions["priced_out"] == 1
     # the same victims at the same price pay for twenty requests (the old count)
     offloaded, new = adj.offloaded_token_probabilities(), [adj._token_p[l][e] for l, e in ((0, 5), (1, 2))]
     assert adj.cost.eviction_pays(2, 20, offloaded, new)
@@ -489,3 +489,14 @@ def test_while_requests_wait_offloaded_experts_come_back_when_their_price_says_s
     assert after > 1.01 * now
     # nothing waits: the thresholds alone (a queue is what would fill the pages)
     assert not plan(0.05, waiting=0)[2].reason.startswith("restore_pays")
+    # the high water stays free for the running requests' growth: 26 - 9 pages hold 5
+    # restores, 11 - 9 none (a restore there made the next decode shortfall evict again)
+    rig = make_rig(pages=100)
+    for _ in range(10):
+        assert rig.pool.alloc_kv_pages(4) is not None
+    assert rig.pool.alloc_kv_pages(30) is not None  # 15 more pages: 11 whole ones free
+    assert rig.pool.free_expert_page_count() == 11
+    adj = Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking,
+                   cost=CostModel(expert_ms=0.05, base_ms=0.1, per_request_ms=0.01))
+    order = adj.plan_round(0, 100, Load(running=11, admits=20, waiting=40))
+    assert order is None or not order.restore
