@@ -187,6 +187,7 @@ def test_pool_seams_resolve_when_the_pool_mode_is_on():
                 "pool.kv_affinity_decode",
                 "experts.forward_pass",
                 "experts.moe_core",
+                "experts.prefill_graphs",
                 "experts.host_load",
                 "experts.host_weights",
                 "experts.dummy_weights",

@@ -140,13 +140,6 @@ def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     return None
 
 
-def _may_offload(args: argparse.Namespace, config) -> bool:
-    """Whether some expert can ever be in host memory (offload limit above 0)."""
-    if config.expert_offload_limit is not None:
-        return config.expert_offload_limit > 0
-    return True  # the default limit is half the experts
-
-
 def build_parser() -> argparse.ArgumentParser:
     """SGLang's flags and the project's, in one parser (imports SGLang)."""
     from sglang.srt.server_args import ServerArgs
@@ -217,14 +210,6 @@ def prepare(argv: list[str]):
         args.disable_cuda_graph = True
         print(f"{PROG}: --rimuru-record-routing records eager passes only (--disable-cuda-graph)",
               file=sys.stderr)
-
-    if config.enabled and device != "cpu" and not args.disable_prefill_cuda_graph and _may_offload(args, config):
-        # Prefill passes copy offloaded experts into load buffers (each crosses PCIe
-        # once); that reads routing on the host, which a captured prefill cannot.
-        args.disable_prefill_cuda_graph = True
-        print(f"{PROG}: --rimuru-mode {config.mode} with offloadable experts runs prefill eagerly "
-              "(--disable-prefill-cuda-graph); decode keeps its CUDA graphs", file=sys.stderr)
-
 
     from sglang.srt.server_args import ServerArgs
 

@@ -14,6 +14,8 @@ Seams (all inert unless the mode is on; ledger in ``patches/README.md``):
 * ``alloc_for_extend`` / ``alloc_for_decode`` as ``schedule_batch`` calls them:
   each request's KV slots from its own expert pages (``affinity.py``);
 * ``ModelRunner.forward``: per-forward state of the expert manager;
+* ``PrefillCudaGraphRunner.can_run_graph``: captured prefills replay only while
+  every expert is resident (or for passes the MoE reads in place anyway);
 * ``FusedMoE.run_moe_core``: managed layers compute from the pool; on CUDA
   the paged kernel with ``--rimuru-moe-kernel exact`` (default) gets SGLang's
   own launch configs, SiLU*up and top-k combine (``sglang_moe.py``, ledger row
@@ -157,6 +159,17 @@ def _run_moe_core(orig, ctx):
     return run_moe_core
 
 
+def _prefill_graph_gate(orig, ctx):
+    def can_run_graph(self, forward_batch):
+        ok = orig(self, forward_batch)
+        runtime = _runtime()
+        if not ok or runtime is None:
+            return ok
+        return runtime.prefill_graph_may_replay(len(forward_batch.input_ids))
+
+    return can_run_graph
+
+
 #: forward passes between two expert-traffic log lines
 STATS_EVERY_FORWARDS = int(os.environ.get("SGLANG_RIMURU_STATS_EVERY", "500"))
 
@@ -171,6 +184,7 @@ for _name, _target, _why, _build in (
     ("pool.kv_allocator", f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", "KV slots are the pool's KV pages", _allocator),
     ("experts.forward_pass", f"{_MODEL_RUNNER}.forward", "per-forward-pass state of the expert manager (prefetches live one pass)", _forward),
     ("experts.moe_core", "sglang.srt.layers.moe.fused_moe_triton.layer:FusedMoE.run_moe_core", "managed MoE layers compute from pool pages and load buffers", _run_moe_core),
+    ("experts.prefill_graphs", "sglang.srt.model_executor.runner.prefill_cuda_graph_runner:PrefillCudaGraphRunner.can_run_graph", "a captured prefill replays only where it computes what an eager pass would: every expert resident, or a pass the MoE reads in place anyway", _prefill_graph_gate),
 ):
     register(Seam(name=_name, target=_target, why=_why, build=_build, applies=_on))
 

@@ -432,6 +432,28 @@ class RimuruRuntime:
             stats.in_place_overflow,
         )
 
+    def prefill_graph_may_replay(self, num_tokens: int) -> bool:
+        """Whether a captured prefill pass of ``num_tokens`` tokens may replay.
+
+        Captured, the MoE reads every routed expert through the home table: resident
+        ones from their pages, offloaded ones in place from host memory, once per
+        block of tokens. With every expert resident that is exactly what an eager
+        pass computes (``moe_forward``'s copy path has nothing to copy), and so it is
+        for passes of up to ``--rimuru-zero-copy-max-tokens`` (eager reads those in
+        place too). Otherwise the eager copy path moves each offloaded expert across
+        PCIe once (the H200's 4.7k-token prefill with experts out: 0.75 s captured,
+        0.14 s eager), and without host reads an offloaded row is -1, which a
+        replay would read as zero: both run eagerly.
+
+        Replaying when it may matters: with prefill graphs off, elastic's decode
+        steps matched plain SGLang's on the H200 (ITL median 7.18 vs 7.28 ms) while
+        its eager prefills made TPOT 10.6 against 8.1 ms (bench/RESULTS.md).
+        """
+        res = self.manager.residency
+        if res.num_resident() == len(self.shape.layer_ids) * self.shape.num_experts:
+            return True
+        return self.manager.host_reads and num_tokens <= self.config.zero_copy_max_tokens
+
     def moe_forward(self, layer, dispatch_output):
         """The MoE of one managed layer, experts read from the pool, the load buffers
         or (in place) pinned host memory.
@@ -444,11 +466,13 @@ class RimuruRuntime:
           round trip: what a decode graph captures and replays.
         * eager passes of more than N tokens: the copy path (prefetch +
           ``prepare_layer``), where an expert crosses PCIe once instead of once per
-          block of tokens. It reads routing on the host, so it cannot be captured;
-          the launcher turns SGLang's prefill graphs off where experts can be
-          offloaded, so prefill takes it (``server.py``). (Cutting the prefill
-          graph around the MoE with SGLang's ``eager_on_graph`` fails: Qwen2-MoE
-          runs the routed experts on a side stream, where a segment cannot end.)
+          block of tokens. It reads routing on the host, so it cannot be captured:
+          SGLang's captured prefill graphs replay only where they compute what
+          this path would (``prefill_graph_may_replay``: every expert resident, or
+          a pass of up to N tokens), and a prefill runs eagerly otherwise. (Cutting
+          the prefill graph around the MoE with SGLang's ``eager_on_graph`` fails:
+          Qwen2-MoE runs the routed experts on a side stream, where a segment
+          cannot end.)
         """
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
 
