@@ -178,8 +178,13 @@ def _round(orig, ctx):
             running += len(batch.reqs)  # this round's prefill joins the decode batch next
         if ctl.adjuster.cost is not None:
             _StepTiming.round(self, ctl, batch)
+        # the radix cache's own pages (finished requests' prefixes) are no running request's KV
+        cached = self.tree_cache.evictable_size()
+        if isinstance(cached, tuple):  # hybrid caches count (full, state) tokens
+            cached = cached[0]
+        cached //= max(1, self.page_size)
         ctl.round(forward_follows=plan.batch_to_run is not None, waiting=len(self.waiting_queue), busy=busy,
-                  running=running)
+                  running=running, cached=cached)
         sync_capacity(self)
         if ctl.freed:  # evictions done in this hook: the next round may admit again
             ctl.freed = False

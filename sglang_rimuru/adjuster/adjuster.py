@@ -77,13 +77,17 @@ class Load(NamedTuple):
     for a decode shortfall (``urgent``), the one request SGLang would otherwise
     retract; ``waiting``: requests in SGLang's waiting queue (a queue fills
     whatever KV an eviction frees, so a prefill shortfall is priced at the batch
-    the KV holds, not the one running now).
+    the KV holds, not the one running now); ``cached``: KV pages held by the radix
+    cache alone.
     """
 
     running: int
     admits: int
     urgent: bool = False
     waiting: int = 0
+    #: KV pages only the radix cache holds (evictable prefixes of finished requests):
+    #: not a running request's KV, so not counted in its size
+    cached: int = 0
 
 
 class RoundRecord(NamedTuple):
@@ -374,7 +378,7 @@ class Adjuster:
         pool, geo = self.page_pool, self.page_pool.geometry
         kv_per_expert = self.policy.pages_per_expert * geo.expert_page_bytes / geo.kv_page_bytes
         kv_used = stats.kv_pages_used
-        kv_per_request = kv_used / load.running if load.running > 0 else 0.0
+        kv_per_request = self._kv_per_request(load, kv_used)
         if load.urgent:
             return cost.keep_beats_retract(load.running, offloaded, new, kv_per_request, kv_per_expert)
         batch, admits = load.running, load.admits
@@ -399,6 +403,15 @@ class Adjuster:
             head = load.admits if load.running == 0 else 0
             admits = max(load.running + head, after) - batch
         return cost.eviction_pays(batch, admits, offloaded, new, kv_per_request, kv_per_expert)
+
+    @staticmethod
+    def _kv_per_request(load: Load, kv_used: int) -> float:
+        """KV pages a running request holds: the used pages less the radix cache's own
+        (a cache full of finished requests' prefixes made each request look larger,
+        and so an eviction's pages worth fewer requests); 0 with nothing running."""
+        if load.running <= 0:
+            return 0.0
+        return max(0, kv_used - max(0, load.cached)) / load.running
 
     def _restores_that_pay(self, load: Load, free_pages: int, stats, frozen) -> list[tuple[int, int]]:
         """The experts to bring back into ``free_pages`` whole free expert pages (less the
@@ -427,7 +440,9 @@ class Adjuster:
         cost, pool, geo = self.cost, self.page_pool, self.page_pool.geometry
         kv_per_expert = ppe * geo.expert_page_bytes / geo.kv_page_bytes
         kv_used = stats.kv_pages_used
-        kv_per_request = kv_used / load.running
+        kv_per_request = self._kv_per_request(load, kv_used)
+        if kv_per_request <= 0:
+            return []
         most = load.running + load.waiting
         cap = kv_used + pool.kv_capacity_now()
         batch = max(load.running, min(most, int(cap // kv_per_request)))

@@ -100,6 +100,8 @@ class ElasticController:
         self._demand_requests = 0
         #: decode requests running (what an eviction's PCIe time slows down)
         self._running = 0
+        #: KV pages only the radix cache holds (the last round's count)
+        self._cached = 0
         #: pages were freed by evictions since the integrator last looked (it lets
         #: SGLang retry prefills it gave up on)
         self.freed = False
@@ -132,12 +134,14 @@ class ElasticController:
         return self._demand
 
     def round(self, *, forward_follows: bool, waiting: int = 0, busy: bool = True,
-              running: int = 0) -> MigrationOrder | None:
+              running: int = 0, cached: int = 0) -> MigrationOrder | None:
         """End of a round's scheduling: plan this round's order and send it to the worker.
 
         ``forward_follows``: a forward pass runs in this round (it applies the
         order); otherwise the order is applied now.  ``waiting``: requests in
-        SGLang's waiting queue (for the log).  ``busy``: the scheduler holds a
+        SGLang's waiting queue; ``running``: requests in the decode batch (with
+        this round's prefill); ``cached``: KV pages only the radix cache holds
+        (all three for the cost model and the log).  ``busy``: the scheduler holds a
         request (waiting, running or in this round's batch); at TP > 1 the
         ranks' orders are compared in busy rounds only (``agreement.py`` says
         why that is every rank's same choice), idle rounds' orders with the
@@ -145,6 +149,7 @@ class ElasticController:
         """
         self._waiting = waiting
         self._running = running
+        self._cached = cached
         # Orders a pass never took are applied now; finished restore copies are acknowledged.
         # Copies still running are not waited for (they overlap the next passes).
         self.worker.take_orders()
@@ -248,7 +253,7 @@ class ElasticController:
             from .adjuster import Load
 
             load = Load(running=self._running, admits=1 if urgent else max(1, self._demand_requests),
-                        urgent=urgent, waiting=self._waiting)
+                        urgent=urgent, waiting=self._waiting, cached=self._cached)
         order = self.adjuster.plan_round(round_no, short, load) if load is not None \
             else self.adjuster.plan_round(round_no, short)
         last = self.adjuster.last_round

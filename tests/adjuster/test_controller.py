@@ -579,3 +579,27 @@ def test_cache_gives_way_to_restores_and_ahead_of_the_low_water(elastic) -> None
                 full.res.admit(l, x, pages)
     assert full.res.num_resident() == 24 and full.pool.free_expert_page_count() == 2
     assert full.ctl.pages_wanted_from_cache() == 2 + 3 - 2
+
+
+def test_the_radix_caches_own_pages_are_no_running_requests_kv(elastic) -> None:
+    """The integrator passes the radix cache's evictable pages with each round; the
+    cost model's size of a running request leaves them out (a cache full of finished
+    requests' prefixes made each request look larger, and an eviction's pages worth
+    fewer requests)."""
+    from sglang_rimuru.adjuster import Load
+    from sglang_rimuru.adjuster.adjuster import Adjuster
+    from sglang_rimuru.adjuster.cost import CostModel
+
+    e = elastic()
+    ctl = e.ctl
+    ctl.adjuster.cost = CostModel(expert_ms=1.0, base_ms=3.7, per_request_ms=0.025)
+    seen = []
+    plan = ctl.adjuster.plan_round
+    ctl.adjuster.plan_round = lambda r, short, load=None: seen.append(load) or plan(r, short, load)
+    ctl.round(forward_follows=True, waiting=3, running=4, cached=40)
+    ctl.round(forward_follows=True, waiting=0, running=2)
+    assert seen == [Load(running=4, admits=1, waiting=3, cached=40), Load(running=2, admits=1, waiting=0)]
+    assert Adjuster._kv_per_request(Load(running=4, admits=1, cached=40), 120) == 20.0
+    assert Adjuster._kv_per_request(Load(running=4, admits=1), 120) == 30.0
+    assert Adjuster._kv_per_request(Load(running=4, admits=1, cached=500), 120) == 0.0
+    assert Adjuster._kv_per_request(Load(running=0, admits=1), 120) == 0.0
