@@ -37,6 +37,7 @@ def by_pin(host, anchor, dev, n, grid) -> dict:
     from sglang_rimuru.experts.host_store import PIN_ENV, pinned_empty
 
     out = {}
+    preset = os.environ.get(PIN_ENV)  # the caller's choice comes back afterwards
     for how in ("torch", "register", "hugepage"):
         os.environ[PIN_ENV] = how
         src = pinned_empty((n,), torch.bfloat16)
@@ -48,7 +49,10 @@ def by_pin(host, anchor, dev, n, grid) -> dict:
         assert torch.equal(dev.cpu(), host), how
         ms = triton.testing.do_bench(lambda: _copy[grid](anchor, dev, off, n, BLOCK=4096), warmup=5, rep=50)
         out[how] = round(2 * n / ms / 1e6, 1)
-    os.environ.pop(PIN_ENV, None)
+    if preset is None:
+        os.environ.pop(PIN_ENV, None)
+    else:
+        os.environ[PIN_ENV] = preset
     return out
 
 

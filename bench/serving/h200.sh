@@ -64,13 +64,11 @@ for run in ${RUNS:-static32 elastic32}; do
     offload24_*) gb=${run#offload24_}; one "$run" 24 q15 -- --cpu-offload-gb "$gb" ;;
     off32)      one off32 32 q15 -- ;;
     static32)   one static32 32 q15 -- --rimuru-mode static --rimuru-resident-experts 50 --rimuru-expert-offload-limit 10 ;;
-    elastic32)  one elastic32 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 ;;  # the defaults: cost policy, buffers for what is out at start
+    elastic32)  one elastic32 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 ;;  # the defaults: cost policy, buffers for what is out at start (elastic32c before it was the default)
     elastic32p) one elastic32p 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-adjuster-policy paper --rimuru-load-buffer-slots 20 ;;  # elastic32 of 2026-12-01
-    elastic32c) one elastic32c 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-adjuster-policy cost ;;
     static24)   one static24 24 q15 -- --rimuru-mode static --rimuru-resident-experts 36 --rimuru-expert-offload-limit 24 ;;
     elastic24)  one elastic24 24 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 24 ;;
     elastic24p) one elastic24p 24 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 24 --rimuru-adjuster-policy paper --rimuru-load-buffer-slots 24 ;;
-    elastic24c) one elastic24c 24 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 24 --rimuru-adjuster-policy cost ;;
     offload24)  one offload24 24 q15 -- --cpu-offload-gb 8 ;;
     *) echo "unknown run $run" ;;
     esac
