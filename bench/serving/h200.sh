@@ -73,3 +73,4 @@ for run in ${RUNS:-static32 elastic32}; do
     *) echo "unknown run $run" ;;
     esac
 done
+save_triton_cache  # for .carry next session (setup_device.sh)
