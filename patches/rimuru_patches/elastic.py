@@ -59,6 +59,15 @@ def _kv_now(alloc) -> int:
     return alloc.held_count + alloc.available_size()
 
 
+def _cached_pages(scheduler) -> int:
+    """KV pages only the radix cache holds (finished requests' prefixes): no running
+    request's KV."""
+    tokens = scheduler.tree_cache.evictable_size()
+    if isinstance(tokens, tuple):  # hybrid caches count (full, state) tokens
+        tokens = tokens[0]
+    return tokens // max(1, scheduler.page_size)
+
+
 def sync_capacity(scheduler) -> None:
     """Point SGLang's fixed copies of the KV capacity at the pool's current one.
 
@@ -178,13 +187,8 @@ def _round(orig, ctx):
             running += len(batch.reqs)  # this round's prefill joins the decode batch next
         if ctl.adjuster.cost is not None:
             _StepTiming.round(self, ctl, batch)
-        # the radix cache's own pages (finished requests' prefixes) are no running request's KV
-        cached = self.tree_cache.evictable_size()
-        if isinstance(cached, tuple):  # hybrid caches count (full, state) tokens
-            cached = cached[0]
-        cached //= max(1, self.page_size)
         ctl.round(forward_follows=plan.batch_to_run is not None, waiting=len(self.waiting_queue), busy=busy,
-                  running=running, cached=cached)
+                  running=running, cached=_cached_pages(self))
         sync_capacity(self)
         if ctl.freed:  # evictions done in this hook: the next round may admit again
             ctl.freed = False

@@ -375,8 +375,7 @@ class Adjuster:
             # pre-emptive: only victims so cold that their price is within the margin of a step
             return cost.offload_ms(new, load.running) <= cost.margin * cost.step_ms(load.running)
         # the KV sizes that price bringing experts back instead (cost.py: no ratchet)
-        pool, geo = self.page_pool, self.page_pool.geometry
-        kv_per_expert = self.policy.pages_per_expert * geo.expert_page_bytes / geo.kv_page_bytes
+        kv_per_expert = self._kv_per_expert()
         kv_used = stats.kv_pages_used
         kv_per_request = self._kv_per_request(load, kv_used)
         if load.urgent:
@@ -396,13 +395,23 @@ class Adjuster:
             # head grow into that size as they decode, and the victims stay out while the
             # queue lasts (restores wait for whole free expert pages). On the H200 a
             # burst's first eviction (6 running, 144 waiting) passed on the head's count.
-            most = load.running + load.waiting
-            cap = kv_used + pool.kv_capacity_now()
-            batch = max(load.running, min(most, int(cap // kv_per_request)))
-            after = min(most, int((cap + len(victims) * kv_per_expert) // kv_per_request))
+            cap = kv_used + self.page_pool.kv_capacity_now()
+            batch = max(load.running, self._kv_batch(load, cap, kv_per_request))
+            after = self._kv_batch(load, cap + len(victims) * kv_per_expert, kv_per_request)
             head = load.admits if load.running == 0 else 0
             admits = max(load.running + head, after) - batch
         return cost.eviction_pays(batch, admits, offloaded, new, kv_per_request, kv_per_expert)
+
+    def _kv_per_expert(self) -> float:
+        """KV pages one expert's pages hold."""
+        geo = self.page_pool.geometry
+        return self.policy.pages_per_expert * geo.expert_page_bytes / geo.kv_page_bytes
+
+    @staticmethod
+    def _kv_batch(load: Load, kv: float, kv_per_request: float) -> int:
+        """The batch ``kv`` KV pages hold at ``kv_per_request`` while the queue lasts
+        (at most every running and waiting request)."""
+        return min(load.running + load.waiting, int(kv // kv_per_request))
 
     @staticmethod
     def _kv_per_request(load: Load, kv_used: int) -> float:
@@ -437,22 +446,20 @@ class Adjuster:
         back = pick_restores(self.residency, self.ranking, n_max, frozen)
         if not back:
             return []
-        cost, pool, geo = self.cost, self.page_pool, self.page_pool.geometry
-        kv_per_expert = ppe * geo.expert_page_bytes / geo.kv_page_bytes
+        cost, kv_per_expert = self.cost, self._kv_per_expert()
         kv_used = stats.kv_pages_used
         kv_per_request = self._kv_per_request(load, kv_used)
         if kv_per_request <= 0:
             return []
-        most = load.running + load.waiting
-        cap = kv_used + pool.kv_capacity_now()
-        batch = max(load.running, min(most, int(cap // kv_per_request)))
+        cap = kv_used + self.page_pool.kv_capacity_now()
+        batch = max(load.running, self._kv_batch(load, cap, kv_per_request))
         offloaded = self.offloaded_token_probabilities()
         now = cost.throughput(batch, offloaded)
         for n in range(len(back), 0, -1):
             rest = list(offloaded)
             for l, e in back[:n]:
                 rest.remove(self._token_p[l][e])
-            after = min(most, int((cap - n * kv_per_expert) // kv_per_request))
+            after = self._kv_batch(load, cap - n * kv_per_expert, kv_per_request)
             if cost.throughput(after, rest) > (1.0 + cost.margin) * now:
                 return back[:n]
         return []

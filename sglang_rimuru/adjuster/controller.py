@@ -199,7 +199,7 @@ class ElasticController:
         if adj.in_flight or self._demand:
             return 0
         target = policy.evict_low_water + policy.pages_per_expert
-        if policy.max_restores_per_round and res.num_resident() < len(res.shape.layer_ids) * res.shape.num_experts:
+        if policy.max_restores_per_round and not res.all_resident():
             target = policy.restore_high_water + policy.pages_per_expert
         return max(0, target - adj.page_pool.free_expert_page_count())
 

@@ -248,8 +248,11 @@ class StepClock:
     def record(self, batch: int, ms: float, reads: float = 0.0) -> None:
         if batch <= 0 or not ms > 0 or not reads >= 0:
             return
-        samples = self._reading if reads > 0 else self._resident
-        samples.append((int(batch), float(ms), float(reads)) if reads > 0 else (int(batch), float(ms)))
+        if reads > 0:
+            samples, row = self._reading, (int(batch), float(ms), float(reads))
+        else:
+            samples, row = self._resident, (int(batch), float(ms))
+        samples.append(row)
         if len(samples) > self.window:
             del samples[: len(samples) - self.window]
 

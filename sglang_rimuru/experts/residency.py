@@ -180,6 +180,10 @@ class ExpertResidency:
             return len(self._layer(layer))
         return sum(len(p) for p in self._pages.values())
 
+    def all_resident(self) -> bool:
+        """Every expert of every MoE layer is in the pool."""
+        return self.num_resident() == self.shape.num_layers * self.shape.num_experts
+
     def num_offloaded(self, layer: int) -> int:
         return self.shape.num_experts - len(self._layer(layer))
 

@@ -449,8 +449,7 @@ class RimuruRuntime:
         steps matched plain SGLang's on the H200 (ITL median 7.18 vs 7.28 ms) while
         its eager prefills made TPOT 10.6 against 8.1 ms (bench/RESULTS.md).
         """
-        res = self.manager.residency
-        if res.num_resident() == len(self.shape.layer_ids) * self.shape.num_experts:
+        if self.manager.residency.all_resident():
             return True
         return self.manager.host_reads and num_tokens <= self.config.zero_copy_max_tokens
 
