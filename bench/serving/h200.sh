@@ -10,7 +10,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/models
 [ -d /tmp/models/q15 ] || tar xzf .devdata/models.tgz -C /tmp/models
 RATE=${RATE:-10}; NUM=${NUM:-500}; BUDGET=${BUDGET:-300}; SEED=${SEED:-1}  # the light-load anchor: RATE=1 NUM=60 SEED=2
 SKEW=${SKEW:-0}  # > 0: skewed dummy routers (bench/serving/skew); the run names get "-skew"
-# A rate other than the anchors' 10 req/s tags the name NAME@RATE (report.py's rate plots).
+# A rate other than the anchors' 10 req/s tags the name NAME_rRATE (report.py's rate plots;
+# the device tool returns no file whose name holds '@').
 # RANKING=FILE: pool-mode runs rank experts by it (--rimuru-expert-ranking); the run
 # "rank" measures one (python -m sglang_rimuru.rank, 200 ShareGPT prompts of the
 # anchors' file, the routers skewed as SKEW says) into $OUT/ranking_q15_skewS.json
@@ -19,7 +20,7 @@ RANKING=${RANKING:-}
 one() {  # one NAME CARD_GB MODEL -- FLAGS...
     local name=$1 card=$2 model=$3; shift 4
     [ "$SKEW" != 0 ] && name="$name-skew"
-    [ "$RATE" != 10 ] && name="$name@$RATE"
+    [ "$RATE" != 10 ] && name="${name}_r$RATE"
     case " $* " in *" --rimuru-mode "*) [ -n "$RANKING" ] && set -- "$@" --rimuru-expert-ranking "$RANKING" ;; esac
     timeout $(( BUDGET + 200 )) python3 bench/serving/run_one.py --name "$name" --model /tmp/models/$model \
         --card-gb "$card" --rate "$RATE" --num-prompts "$NUM" --seed "$SEED" --out "$OUT" --budget-s "$BUDGET" --skew "$SKEW" \

@@ -9,13 +9,15 @@ that one (throughput, TTFT median, peak running, TPOT median). ``--plots DIR``
 writes PNGs (matplotlib; the H200 image has it): the pool split over time
 (resident experts from the adjuster trace) beside the waiting queue, one per
 elastic run, and output throughput / TTFT median against request rate when
-runs of one system at several rates are given (names ``SYSTEM@RATE``).
+runs of one system at several rates are given (names ``SYSTEM`` at the anchors'
+10 req/s, ``SYSTEM_rRATE`` at other rates, as bench/serving/h200.sh names them).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -94,8 +96,8 @@ def plots(results: list[dict], out: Path) -> list[Path]:
         made.append(path)
     by_system = defaultdict(list)
     for r in results:
-        if "@" in r["name"]:
-            by_system[r["name"].split("@")[0]].append(r)
+        by_system[re.sub(r"_r[0-9.]+$", "", r["name"])].append(r)
+    by_system = {s: rs for s, rs in by_system.items() if len({r["rate"] for r in rs}) > 1}
     if by_system:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
         for system, rs in sorted(by_system.items()):

@@ -239,6 +239,9 @@ def main() -> None:
     log = log_path.read_text(errors="replace")
     srv.stop()
     result = json.loads(bench_out.read_text().splitlines()[-1]) if bench_out.exists() else {}
+    # bench_serving writes its result before it exits; one that finished the traffic and
+    # only overran the budget while exiting (or loading its tokenizer) was not stopped
+    stopped = stopped and result.get("completed") != args.num_prompts
     res = {
         "name": args.name, "server_args": server_args, "card_gib": args.card_gb, "router_skew": args.skew,
         "fraction": card_fraction(args.card_gb), "rate": args.rate, "num_prompts": args.num_prompts,
