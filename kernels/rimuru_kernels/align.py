@@ -8,6 +8,12 @@ Triton one is a single program for small batches (decode: one launch, since a
 launch there costs as much as the work) and, above ``ONE_PROGRAM_MAX_SLOTS``
 slots, three launches parallel over chunks of slots (histogram per chunk,
 offsets, scatter per chunk).
+
+Sizes that follow the batch (slot counts, padded lengths, block and chunk
+counts) are ``do_not_specialize``: Triton would otherwise compile a variant per
+class of value (divisible by 16, equal to 1), and a new eager batch size stalled
+serving for seconds on a cold cache. ``BLOCK_N`` (a power of two of the slots)
+still compiles one variant per power of two.
 """
 
 from __future__ import annotations
@@ -82,7 +88,7 @@ def moe_align_block_size(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "max_padded", "fill_per_program"])
 def _align_chunk_count_kernel(ids_ptr, chunk_counts_ptr, sorted_token_ids_ptr, n, E, max_padded,
                               fill_per_program, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
     """Program c: the expert histogram of slots [c*CHUNK, (c+1)*CHUNK), and the
@@ -101,7 +107,7 @@ def _align_chunk_count_kernel(ids_ptr, chunk_counts_ptr, sorted_token_ids_ptr, n
                  mask=(t < lo + fill_per_program) & (t < max_padded))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks", "max_blocks"])
 def _align_chunk_offsets_kernel(chunk_counts_ptr, chunk_base_ptr, expert_ids_ptr,
                                 num_tokens_post_padded_ptr, n_chunks, max_blocks,
                                 BLOCK_SIZE_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
@@ -128,7 +134,7 @@ def _align_chunk_offsets_kernel(chunk_counts_ptr, chunk_base_ptr, expert_ids_ptr
     tl.store(num_tokens_post_padded_ptr, total)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _align_chunk_scatter_kernel(ids_ptr, chunk_base_ptr, sorted_token_ids_ptr, n, E,
                                 CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
     """Program c places its slots: the i-th (in flat order) slot of expert e in
@@ -147,7 +153,7 @@ def _align_chunk_scatter_kernel(ids_ptr, chunk_base_ptr, sorted_token_ids_ptr, n
     tl.store(sorted_token_ids_ptr + dst, c * CHUNK + key % CHUNK, mask=placed)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "max_padded", "max_blocks"])
 def _align_one_program_kernel(
     ids_ptr,
     sorted_token_ids_ptr,

@@ -98,7 +98,12 @@ def _page_start(page, ok, page_elems, host_base, host_page_elems):
     return tl.where(ok & (page <= -2), host_start, pool_start)
 
 
-@triton.jit
+# EM and num_valid_tokens follow the batch: specializing on them (Triton's
+# divisible-by-16 and ==1 keys) compiled a new variant for each new class of
+# eager token count -- seconds of stall the first time experts were offloaded
+# under load on the H200. Strides, N, K and host_base keep their keys (alignment
+# of the weight reads).
+@triton.jit(do_not_specialize=["EM", "num_valid_tokens"])
 def _paged_moe_gemm_kernel(
     a_ptr,
     pool_ptr,
