@@ -51,6 +51,7 @@ for run in ${RUNS:-static32 elastic32}; do
     static32r*) n=${run#static32r}; one "$run" 32 q15 -- --rimuru-mode static --rimuru-resident-experts "$n" --rimuru-expert-offload-limit $(( 60 - n )) ;;
     static24r*) n=${run#static24r}; one "$run" 24 q15 -- --rimuru-mode static --rimuru-resident-experts "$n" --rimuru-expert-offload-limit $(( 60 - n )) ;;
     elastic32l*) n=${run#elastic32l}; one "$run" 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit "$n" ;;
+    elastic24l*) n=${run#elastic24l}; one "$run" 24 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit "$n" ;;
     elastic32cl*) n=${run#elastic32cl}; one "$run" 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit "$n" --rimuru-adjuster-policy cost ;;
     elastic32s*) n=${run#elastic32s}; one "$run" 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-load-buffer-slots "$n" ;;
     elastic32cs*) n=${run#elastic32cs}; one "$run" 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-load-buffer-slots "$n" --rimuru-adjuster-policy cost ;;
