@@ -59,13 +59,21 @@ def _kv_now(alloc) -> int:
     return alloc.held_count + alloc.available_size()
 
 
+def _evictable_tokens(cache) -> int:
+    """Full-attention KV tokens the radix cache could evict. SGLang 0.5.17's hybrid
+    caches (SWA, Mamba) raise from ``evictable_size`` and count these with
+    ``full_evictable_size``; the plain radix cache has only the former."""
+    try:
+        tokens = cache.evictable_size()
+    except NotImplementedError:
+        tokens = cache.full_evictable_size()
+    return tokens[0] if isinstance(tokens, tuple) else tokens
+
+
 def _cached_pages(scheduler) -> int:
     """KV pages only the radix cache holds (finished requests' prefixes): no running
     request's KV."""
-    tokens = scheduler.tree_cache.evictable_size()
-    if isinstance(tokens, tuple):  # hybrid caches count (full, state) tokens
-        tokens = tokens[0]
-    return tokens // max(1, scheduler.page_size)
+    return _evictable_tokens(scheduler.tree_cache) // max(1, scheduler.page_size)
 
 
 def sync_capacity(scheduler) -> None:
@@ -118,7 +126,7 @@ def _cache_gives_way(scheduler, ctl) -> None:
     round that nothing waits: the imports only when there is something to evict.)"""
     pages = ctl.pages_wanted_from_cache()
     cache = scheduler.tree_cache
-    if pages and cache.evictable_size() > 0:
+    if pages and _evictable_tokens(cache) > 0:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         from rimuru_patches.unified_pool.runtime import active
@@ -237,7 +245,7 @@ def _decode_shortfall(orig, ctx):
         ctl = _controller()
         while not ok and ctl is not None:
             need = self.new_tokens_required_next_decode(selected_indices)
-            if not ctl.urgent(need, waiting=0, running=len(self.reqs)):
+            if not ctl.urgent(need, running=len(self.reqs)):  # the queue: as of the last round
                 break  # the offload limit is reached: SGLang retracts as usual
             ok = orig(self, selected_indices)
         return ok

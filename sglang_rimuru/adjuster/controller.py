@@ -164,14 +164,20 @@ class ElasticController:
             self.settle()
         return order
 
-    def urgent(self, kv_pages: int, waiting: int = 0, running: int | None = None) -> bool:
+    def urgent(self, kv_pages: int, waiting: int | None = None, running: int | None = None) -> bool:
         """A decode step of ``running`` requests needs ``kv_pages`` KV pages in all,
         more than are free: evict now (see ``applier.py`` for why that is safe
         with a pass still running on the GPU).
 
+        ``waiting`` / ``running``: None keeps the last round's count. The decode
+        batch that asks does not see SGLang's queue; an urgent eviction is priced
+        against retraction, so the queue only reaches the log and the trace (which
+        showed "waiting 0" beside 100 queued requests on the H200 when it was 0).
+
         Returns True when pages were freed (the caller re-checks its memory).
         """
-        self._waiting = waiting
+        if waiting is not None:
+            self._waiting = waiting
         if running is not None:
             self._running = running
         self.settle()

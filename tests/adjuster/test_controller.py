@@ -281,6 +281,17 @@ def test_urgent_evicts_now_and_is_false_at_the_offload_limit(elastic) -> None:
     assert (s["urgent_orders"], s["evictions"], s["orders_completed"]) == (2, 6, 2)
 
 
+def test_urgent_logs_the_last_rounds_queue(elastic, caplog) -> None:
+    """The decode batch does not see SGLang's queue: the order's log line and trace
+    row keep the last round's count instead of 0."""
+    e = elastic()
+    assert e.ctl.round(forward_follows=False, waiting=12, running=3) is None
+    with caplog.at_level("INFO", logger="sglang_rimuru.adjuster.controller"):
+        assert e.ctl.urgent(26, running=4) is True
+    assert "waiting requests 12" in caplog.text
+    assert (e.ctl._waiting, e.ctl._running) == (12, 4)
+
+
 def test_urgent_settles_an_order_sent_earlier(elastic) -> None:
     e = elastic()
     e.ctl.note_demand(26)
