@@ -372,7 +372,10 @@ class Adjuster:
         cost, offloaded = self.cost, self.offloaded_token_probabilities()
         new = [self._token_p[l][e] for l, e in victims]
         if decision.reason == "low_water" and not load.urgent:
-            # pre-emptive: only victims so cold that their price is within the margin of a step
+            # pre-emptive: only victims so cold that their price is within the margin of a step,
+            # and never the first one out where that turns the prefills eager (cost.py)
+            if not offloaded and cost.eager_prefill_share > cost.margin:
+                return False
             return cost.offload_ms(new, load.running) <= cost.margin * cost.step_ms(load.running)
         # the KV sizes that price bringing experts back instead (cost.py: no ratchet)
         kv_per_expert = self._kv_per_expert()

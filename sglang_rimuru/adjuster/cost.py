@@ -37,6 +37,17 @@ requests (``restored_throughput``): with ``j`` experts back a step runs
 ``batch - ceil(j * kv_per_expert / kv_per_request)`` requests. From every
 expert resident that reference is plain SGLang's operating point, and the pool
 never leaves it unless offloading beats it.
+
+Leaving that point has a price of its own (``eager_prefill_share``): while any
+expert is out, prefill passes longer than ``--rimuru-zero-copy-max-tokens`` run
+eagerly instead of replaying SGLang's captured prefill graphs (a replay would
+re-read every offloaded expert in place per block of tokens:
+``RimuruRuntime.prefill_graph_may_replay``). On the H200 (bench/RESULTS.md,
+elastic32) eager prefills cost elastic about a fifth of its throughput at equal
+decode steps: 811 against 1,037 tok/s. So every state with an expert out runs at
+``(1 - eager_prefill_share)`` of its decode throughput; the first eviction must
+win that back (an eviction there priced +1.7 % sent 22 experts out for 10 s and
+turned the prefills eager), and bringing the last experts back earns it.
 """
 
 from __future__ import annotations
@@ -82,12 +93,16 @@ class CostModel:
     ``base_ms`` + ``per_request_ms * B``: a decode step with every expert resident.
     ``margin``: the relative gain an eviction must promise (the estimates are rough;
     never offload on a coin flip).
+    ``eager_prefill_share``: the share of throughput lost while any expert is out
+    because prefill passes then run eagerly (module docstring; 0 where prefill
+    runs eagerly anyway: CPU, CUDA graphs off).
     """
 
     expert_ms: float
     base_ms: float
     per_request_ms: float
     margin: float = 0.01
+    eager_prefill_share: float = 0.0
 
     #: restored_throughput tries every j experts back up to EXACT_J, then SPREAD_J more
     EXACT_J = 16
@@ -100,14 +115,16 @@ class CostModel:
                 raise ValueError(f"CostModel.{f.name} must be a number >= 0, got {v!r}")
         if self.base_ms + self.per_request_ms <= 0:
             raise ValueError("CostModel: a decode step must take some time (base_ms + per_request_ms > 0)")
+        if self.eager_prefill_share >= 1:
+            raise ValueError(f"CostModel.eager_prefill_share must be < 1, got {self.eager_prefill_share!r}")
 
     @classmethod
     def for_expert(cls, expert_bytes: int, pcie_gbps: float, base_ms: float, per_request_ms: float,
-                   margin: float = 0.01) -> "CostModel":
+                   margin: float = 0.01, eager_prefill_share: float = 0.0) -> "CostModel":
         if pcie_gbps <= 0:
             raise ValueError(f"pcie_gbps must be > 0, got {pcie_gbps!r}")
         return cls(expert_ms=expert_bytes / (pcie_gbps * 1e6), base_ms=base_ms,
-                   per_request_ms=per_request_ms, margin=margin)
+                   per_request_ms=per_request_ms, margin=margin, eager_prefill_share=eager_prefill_share)
 
     def step_ms(self, batch: int) -> float:
         """A decode step of ``batch`` requests with every expert resident."""
@@ -123,10 +140,13 @@ class CostModel:
         return self.expected_reads(probabilities, batch) * self.expert_ms
 
     def throughput(self, batch: int, offloaded: Iterable[float]) -> float:
-        """Decode tokens per ms at ``batch`` with ``offloaded`` experts' probabilities."""
+        """Decode tokens per ms at ``batch`` with ``offloaded`` experts' probabilities
+        (less ``eager_prefill_share`` when any is out)."""
         if batch <= 0:
             return 0.0
-        return batch / (self.step_ms(batch) + self.offload_ms(offloaded, batch))
+        offloaded = offloaded if isinstance(offloaded, (list, tuple)) else list(offloaded)
+        tp = batch / (self.step_ms(batch) + self.offload_ms(offloaded, batch))
+        return tp * (1.0 - self.eager_prefill_share) if offloaded else tp
 
     def restored_throughput(self, batch: int, offloaded: list[float], kv_per_request: float,
                             kv_per_expert: float) -> float:
@@ -158,7 +178,8 @@ class CostModel:
                 skip -= count - left
                 if left:
                     reads += left * touched(p, b)
-            best = max(best, b / (self.step_ms(b) + reads * self.expert_ms))
+            tp = b / (self.step_ms(b) + reads * self.expert_ms)
+            best = max(best, tp if j == n else tp * (1.0 - self.eager_prefill_share))
         return best
 
     def eviction_pays(self, batch: int, admit: int, offloaded: list[float], victims: list[float],

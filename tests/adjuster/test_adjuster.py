@@ -500,3 +500,31 @@ def test_while_requests_wait_offloaded_experts_come_back_when_their_price_says_s
                    cost=CostModel(expert_ms=0.05, base_ms=0.1, per_request_ms=0.01))
     order = adj.plan_round(0, 100, Load(running=11, admits=20, waiting=40))
     assert order is None or not order.restore
+
+
+def test_no_pre_emptive_first_eviction_where_it_turns_prefill_eager():
+    """Low water with every expert resident: a free expert (PCIe at no cost) would go
+    pre-emptively; with prefill graphs on, the first one out turns every longer prefill
+    eager (cost.py's eager_prefill_share), which no pre-emptive eviction is worth."""
+    import dataclasses
+
+    from sglang_rimuru.adjuster import Load
+    from sglang_rimuru.adjuster.cost import CostModel
+
+    def low_water_rig():
+        rig = make_rig(pages=80, resident=8)  # every expert resident
+        per_page = len(rig.pool.geometry.kv_pages_of_expert_page(0))
+        while rig.pool.free_expert_page_count() > 1:
+            assert rig.pool.alloc_kv_pages(per_page, "running") is not None
+        return rig
+
+    free = CostModel(expert_ms=1e-9, base_ms=3.7, per_request_ms=0.023)
+    rig = low_water_rig()
+    order = Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking, cost=free).plan_round(
+        0, 0, Load(running=30, admits=1))
+    assert order is not None and order.reason.startswith("low_water")
+    rig = low_water_rig()
+    adj = Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking,
+                   cost=dataclasses.replace(free, eager_prefill_share=0.2))
+    assert adj.plan_round(0, 0, Load(running=30, admits=1)) is None
+    assert adj.stats().decisions["priced_out"] == 1

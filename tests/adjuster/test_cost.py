@@ -271,3 +271,43 @@ def test_step_clock_never_prices_a_read_below_what_pcie_allows():
     args = (15, 6, [UNIFORM] * 5, [UNIFORM] * 32, 464, 88)
     assert CostModel(expert_ms=0.092, base_ms=5.9, per_request_ms=0.17).eviction_pays(*args)
     assert not CostModel(expert_ms=exp, base_ms=base, per_request_ms=per).eviction_pays(*args)
+
+
+# The H200 elastic32 run at 312737e: prior step line 5.33 ms + 0.17 ms a request, a read
+# 0.337 ms; 4 long requests running (a request's KV ~1,000 pages), 51 waiting
+H200 = CostModel(expert_ms=0.33717956794525983, base_ms=5.32908166210942, per_request_ms=0.17)
+EAGER = CostModel(expert_ms=H200.expert_ms, base_ms=H200.base_ms, per_request_ms=H200.per_request_ms,
+                  eager_prefill_share=0.2)
+
+
+def test_any_expert_out_costs_the_eager_prefill_share():
+    assert EAGER.throughput(8, []) == H200.throughput(8, [])
+    assert EAGER.throughput(8, [UNIFORM]) == pytest.approx(0.8 * H200.throughput(8, [UNIFORM]))
+    assert EAGER.throughput(8, iter([UNIFORM])) == EAGER.throughput(8, [UNIFORM])
+    with pytest.raises(ValueError):
+        CostModel(expert_ms=1, base_ms=1, per_request_ms=0, eager_prefill_share=1.0)
+
+
+def test_the_first_eviction_must_win_back_the_prefill_graphs():
+    # what the H200 run did: 22 uniform experts out (one a layer) to run 6 instead of 4,
+    # priced +1.7 %; they stayed out 10 s and the prefills ran eagerly meanwhile
+    victims = [UNIFORM] * 22
+    assert H200.eviction_pays(4, 2, [], victims, 1000, KV_PER_EXPERT)
+    assert H200.throughput(6, victims) / H200.throughput(4, []) == pytest.approx(1.017, abs=0.001)
+    assert not EAGER.eviction_pays(4, 2, [], victims, 1000, KV_PER_EXPERT)
+    # once experts are out, the next eviction is priced on decode alone (both states eager)
+    out = [UNIFORM] * 22
+    assert EAGER.eviction_pays(30, 1, out, [0.0005]) == H200.eviction_pays(30, 1, out, [0.0005])
+    # cold experts that admit many still go
+    assert EAGER.eviction_pays(10, 10, [], [0.0005] * 30)
+
+
+def test_bringing_the_last_experts_back_earns_the_share():
+    # batch 10, two uniform experts out, one expert's KV = one request's: all back runs 8
+    # requests with graphed prefills, which beats 9 with one still out
+    t = touched
+    one_back = 9 / (EAGER.step_ms(9) + t(UNIFORM, 9) * EAGER.expert_ms) * 0.8
+    all_back = 8 / EAGER.step_ms(8)
+    assert all_back > one_back
+    assert EAGER.restored_throughput(10, [UNIFORM, UNIFORM], 100, 100) == pytest.approx(all_back)
+    assert H200.restored_throughput(10, [UNIFORM, UNIFORM], 100, 100) == pytest.approx(one_back / 0.8)

@@ -66,6 +66,11 @@ def active() -> "RimuruRuntime | None":
 STEP_PRIOR_MS = (5.9, 0.17)
 #: in-place reads reached 93 % of a pinned copy on the H200 (bench/RESULTS.md)
 IN_PLACE_SHARE = 0.93
+#: throughput lost while any expert is out and prefill graphs are on: prefill passes then run
+#: eagerly (prefill_graph_may_replay). H200, elastic32 at equal decode steps: 811 tok/s with
+#: every prefill eager (7508738) against 1,037 with the graphs replaying (312737e),
+#: bench/RESULTS.md; CostModel.eager_prefill_share
+EAGER_PREFILL_SHARE = 0.2
 
 
 #: ``SGLANG_RIMURU_PCIE_GBPS``: the in-place read rate the cost model assumes, GB/s (instead of
@@ -248,7 +253,10 @@ class RimuruRuntime:
         manager.upload_resident()
         elastic = None
         if config.mode == "elastic":
-            elastic = cls._build_elastic(config, page_pool, residency, ranking, manager, model_runner.ps.tp_rank)
+            prefill_graphs = (device.type == "cuda" and not server_args.disable_cuda_graph
+                              and not server_args.disable_prefill_cuda_graph)
+            elastic = cls._build_elastic(config, page_pool, residency, ranking, manager, model_runner.ps.tp_rank,
+                                         prefill_graphs)
         runtime = cls(
             config=config,
             plan=plan,
@@ -359,7 +367,8 @@ class RimuruRuntime:
         )
 
     @staticmethod
-    def _build_elastic(config: RimuruConfig, page_pool, residency, ranking, manager, tp_rank: int):
+    def _build_elastic(config: RimuruConfig, page_pool, residency, ranking, manager, tp_rank: int,
+                       prefill_graphs: bool = False):
         from sglang_rimuru.adjuster import Adjuster
         from sglang_rimuru.adjuster.applier import OrderApplier
         from sglang_rimuru.adjuster.controller import ElasticController
@@ -371,10 +380,13 @@ class RimuruRuntime:
 
             shape = residency.shape
             cost = CostModel.for_expert(shape.expert_bytes, _in_place_read_gbps(manager.device),
-                                        base_ms=STEP_PRIOR_MS[0], per_request_ms=STEP_PRIOR_MS[1])
+                                        base_ms=STEP_PRIOR_MS[0], per_request_ms=STEP_PRIOR_MS[1],
+                                        eager_prefill_share=EAGER_PREFILL_SHARE if prefill_graphs else 0.0)
             logger.info("sglang-rimuru cost-aware adjuster: an expert costs %.3f ms per decode step that "
-                        "routes to it (%d B over PCIe); step time fitted from decode rounds", cost.expert_ms,
-                        shape.expert_bytes)
+                        "routes to it (%d B over PCIe); step time fitted from decode rounds; %s", cost.expert_ms,
+                        shape.expert_bytes,
+                        f"any expert out costs {cost.eager_prefill_share:.0%} of throughput (prefill passes "
+                        "then run without CUDA graphs)" if prefill_graphs else "prefill runs eagerly anyway")
         adjuster = Adjuster(config.adjuster_policy(), page_pool, residency, ranking, cost=cost)
         link = OrderLink()
         trace = config.adjuster_trace
