@@ -161,6 +161,11 @@ class Adjuster:
             probs = [ranking.probability(l, e) for e in range(residency.shape.num_experts)]
             total = sum(probs)
             self._token_p[l] = [(p * top_k / total) if total > 0 else top_k / len(probs) for p in probs]
+        # Leaving "every expert resident" (cost.py's eager_prefill_share): the probabilities
+        # of the experts the offload limit lets go, coldest first (at most the limit a layer)
+        lim = residency.offload_limit
+        self._leave_probs = sorted(p for l in residency.shape.layer_ids for p in sorted(self._token_p[l])[:lim])
+        self._leaving_memo: tuple | None = None  # (inputs, answer) of the last _leaving_pays
         self._seq = 0
         self._last_round: int | None = None
         self._in_flight: dict[int, MigrationOrder] = {}  # seq -> order, insertion = seq order
@@ -388,6 +393,7 @@ class Adjuster:
             # nothing runs (between requests): the head's own pages per request say how
             # many the KV holds without evicting; "pure gain" only if that is none
             kv_per_request = kv_pages_needed / load.admits
+        cap = None
         if kv_per_request > 0 and load.waiting > 0:
             # The queue will fill the KV either way: compare the batch today's KV holds
             # with the one it holds with the victims' pages too. (Priced at the batch
@@ -403,7 +409,41 @@ class Adjuster:
             after = self._kv_batch(load, cap + len(victims) * kv_per_expert, kv_per_request)
             head = load.admits if load.running == 0 else 0
             admits = max(load.running + head, after) - batch
-        return cost.eviction_pays(batch, admits, offloaded, new, kv_per_request, kv_per_expert)
+        if cost.eviction_pays(batch, admits, offloaded, new, kv_per_request, kv_per_expert):
+            return True
+        if offloaded or cost.eager_prefill_share <= 0 or cap is None:
+            return False
+        return self._leaving_pays(load, cap, batch, kv_per_request, kv_per_expert, len(victims))
+
+    def _leaving_pays(self, load: Load, cap: int, batch: int, kv_per_request: float, kv_per_expert: float,
+                      n_victims: int) -> bool:
+        """From every expert resident, while requests wait: whether some larger move (the
+        coldest experts the offload limit lets go, doubling from ``2 * n_victims``) pays,
+        the eager-prefill share included. The first eviction pays that share for every
+        later one, which is priced on decode alone; a shortfall's few victims alone
+        could never win it back, even where cold experts would (skewed routing).
+        Up to ~0.7 ms at 720 candidates: a round that asks as the last one did (a queue
+        standing still) reuses its answer."""
+        key = (self.cost, batch, load.running, load.waiting, cap, kv_per_request, kv_per_expert, n_victims)
+        if self._leaving_memo is not None and self._leaving_memo[0] == key:
+            return self._leaving_memo[1]
+        pays = self._leaving_pays_now(load, cap, batch, kv_per_request, kv_per_expert, n_victims)
+        self._leaving_memo = (key, pays)
+        return pays
+
+    def _leaving_pays_now(self, load: Load, cap: int, batch: int, kv_per_request: float,
+                          kv_per_expert: float, n_victims: int) -> bool:
+        cost, cands = self.cost, self._leave_probs
+        n = 2 * max(1, n_victims)
+        while True:
+            n = min(n, len(cands))
+            after = self._kv_batch(load, cap + n * kv_per_expert, kv_per_request)
+            if cost.eviction_pays(batch, max(load.running, after) - batch, [], cands[:n],
+                                  kv_per_request, kv_per_expert):
+                return True
+            if n == len(cands):
+                return False
+            n *= 2
 
     def _kv_per_expert(self) -> float:
         """KV pages one expert's pages hold."""

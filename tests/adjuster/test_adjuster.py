@@ -528,3 +528,35 @@ def test_no_pre_emptive_first_eviction_where_it_turns_prefill_eager():
                    cost=dataclasses.replace(free, eager_prefill_share=0.2))
     assert adj.plan_round(0, 0, Load(running=30, admits=1)) is None
     assert adj.stats().decisions["priced_out"] == 1
+
+
+def test_leaving_every_expert_resident_is_priced_as_the_whole_move():
+    """Every expert resident, 4 requests of 4 KV pages running, 40 waiting, the head one
+    request short. One cold victim (layer 1's expert 0) admits one more request: +19 % of
+    decode throughput, less than the eager-prefill share it would start paying. The
+    coldest experts the limit lets go admit many more and win it back (so the first goes);
+    when every read is dear they do not."""
+    import dataclasses
+
+    from sglang_rimuru.adjuster import Load
+    from sglang_rimuru.adjuster.cost import CostModel
+
+    def queued_rig():
+        rig = make_rig(pages=80, resident=8)  # every expert resident, 8 free expert pages
+        assert rig.pool.alloc_kv_pages(16, "running") is not None  # all of them: 4 requests x 4
+        return rig
+
+    cheap = CostModel(expert_ms=0.1, base_ms=1.0, per_request_ms=0.05, eager_prefill_share=0.2)
+    load = Load(running=4, admits=1, waiting=40)
+    # the shortfall's victim alone: 5 / (1.25 + 0.01) * 0.8 = 3.17 tokens/ms against 3.33 now
+    assert not cheap.eviction_pays(4, 1, [], [0.02], 4, 6)
+    rig = queued_rig()
+    adj = Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking, cost=cheap)
+    order = adj.plan_round(0, 4, load)
+    assert order is not None and [m.key for m in order.evict] == [(1, 0)]
+    # the same with reads a hundred times dearer: no move out of the resident state pays
+    rig = queued_rig()
+    dear = Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking,
+                    cost=dataclasses.replace(cheap, expert_ms=10.0))
+    assert dear.plan_round(0, 4, load) is None
+    assert dear.stats().decisions["priced_out"] == 1
