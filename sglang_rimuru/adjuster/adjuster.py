@@ -504,6 +504,10 @@ class Adjuster:
                 rest.remove(self._token_p[l][e])
             after = self._kv_batch(load, cap - n * kv_per_expert, kv_per_request)
             if cost.throughput(after, rest) > (1.0 + cost.margin) * now:
+                if not rest and cost.eager_prefill_share > 0 and self._leaving_pays(
+                        load, cap - n * kv_per_expert, max(load.running, after), kv_per_request,
+                        kv_per_expert, n):
+                    continue  # all back earns the share, but leaving again would pay: it would flap
                 return back[:n]
         return []
 

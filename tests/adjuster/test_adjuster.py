@@ -560,3 +560,34 @@ def test_leaving_every_expert_resident_is_priced_as_the_whole_move():
                     cost=dataclasses.replace(cheap, expert_ms=10.0))
     assert dear.plan_round(0, 4, load) is None
     assert dear.stats().decisions["priced_out"] == 1
+
+
+def test_the_last_experts_stay_out_while_leaving_would_pay_again():
+    """Bringing the last offloaded experts back earns the eager-prefill share, so the
+    priced restore would take back a cold expert that the whole-move price had just let
+    go, and the next shortfall would send it out again. It stays out while leaving
+    would pay from the state the restore makes; where reads are dear it comes back."""
+    import dataclasses
+
+    from sglang_rimuru.adjuster import Load
+    from sglang_rimuru.adjuster.cost import CostModel
+
+    cheap = CostModel(expert_ms=0.1, base_ms=1.0, per_request_ms=0.02, eager_prefill_share=0.2)
+
+    def one_cold_out(cost):
+        rig = make_rig(pages=92, resident=8)  # every expert resident, 20 free expert pages
+        kv = rig.pool.alloc_kv_runs([4] * 10)  # all of them: 10 requests x 4 KV pages
+        adj = Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking, cost=cheap)
+        order = adj.plan_round(0, 4, Load(running=10, admits=1, waiting=40))
+        assert [m.key for m in order.evict] == [(1, 0)]
+        adj.complete(order)
+        rig.pool.free_kv_pages(kv[16:])  # six requests finish: 4 run, 15 whole pages free
+        adj.cost = cost
+        return rig, adj
+
+    load = Load(running=4, admits=1, waiting=40)
+    rig, adj = one_cold_out(cheap)
+    assert rig.pool.free_expert_page_count() == 15
+    assert adj._restores_that_pay(load, 15, rig.pool.stats(), ()) == []
+    rig, adj = one_cold_out(dataclasses.replace(cheap, expert_ms=10.0))  # reads dear: leaving would not pay
+    assert adj._restores_that_pay(load, 15, rig.pool.stats(), ()) == [(1, 0)]
