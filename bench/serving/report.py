@@ -32,8 +32,11 @@ def row(r: dict) -> str:
     mem = f"{r['peak_process_mib'] / 1024:.1f} / {r['card_gib']:.0f}"
     host = f"{r['peak_host_rss_mib'] / 1024:.1f}" if "peak_host_rss_mib" in r else "-"
     moves = f"{tr.get('evicted', 0)} / {tr.get('restored', 0)}" if tr else "-"
+    # a run stopped at its budget has no bench_serving summary: SGLang's decode log is all there is
+    tput = (f"{b['output_throughput']:.0f}" if "output_throughput" in b
+            else f"~{lg.get('gen_tok_s_mean', 0):.0f} (decode log)")
     return (f"| {r['name']} | {r['card_gib']:.0f} GB | {done} | {b.get('duration', 0):.1f} | "
-            f"{b.get('output_throughput', 0):.0f} | {b.get('median_ttft_ms', 0) / 1e3:.2f} / "
+            f"{tput} | {b.get('median_ttft_ms', 0) / 1e3:.2f} / "
             f"{b.get('p99_ttft_ms', 0) / 1e3:.2f} | {b.get('median_tpot_ms', 0):.2f} / {b.get('p99_tpot_ms', 0):.2f} | "
             f"{lg['peak_running']} | {mem} | {host} | {moves} |")
 
@@ -57,6 +60,9 @@ def ratios(results: list[dict], baseline: str) -> str:
     lines = [f"| vs {baseline} | output tok/s | TTFT median | peak running | TPOT median |", "|---|---|---|---|---|"]
     for r in results:
         b = r["bench"]
+        if "output_throughput" not in b:  # stopped at its budget: no bench_serving summary to compare
+            lines.append(f"| {r['name']} | - | - | {ratio(r['log']['peak_running'], base['log']['peak_running'])} | - |")
+            continue
         lines.append(f"| {r['name']} | {ratio(b.get('output_throughput', 0), bb.get('output_throughput', 0))} | "
                      f"{ratio(b.get('median_ttft_ms', 0), bb.get('median_ttft_ms', 0))} | "
                      f"{ratio(r['log']['peak_running'], base['log']['peak_running'])} | "

@@ -86,3 +86,24 @@ def test_log_stats_weighs_decode_throughput_by_time():
     assert s["gen_tok_s_mean"] == round(50 / (0.01 + 0.4), 1) and s["gen_tok_s_lines"] == 2
     assert s["peak_running"] == 40 and s["peak_queued"] == 3 and s["decode_steps_est"] == 120
     assert log_stats("")["gen_tok_s_mean"] is None
+
+
+def test_report_shows_a_stopped_run_by_its_decode_log():
+    """A run stopped at its budget has no bench_serving summary: its row gives SGLang's
+    decode-log rate, marked so, and its ratios are '-' (not 0.00x, as if it served nothing)."""
+    sys.path.insert(0, str(ROOT / "bench" / "serving"))
+    try:
+        from report import ratios, table
+    finally:
+        sys.path.pop(0)
+    common = {"card_gib": 24.0, "num_prompts": 500, "peak_process_mib": 23516, "peak_host_rss_mib": 36436}
+    done = {**common, "name": "off24", "stopped_at_budget": False, "log": {"peak_running": 20},
+            "bench": {"completed": 500, "duration": 90.0, "output_throughput": 1000.0, "median_ttft_ms": 5000.0,
+                      "p99_ttft_ms": 9000.0, "median_tpot_ms": 8.0, "p99_tpot_ms": 20.0}}
+    stopped = {**common, "name": "static24", "stopped_at_budget": True, "bench": {},
+               "log": {"peak_running": 26, "gen_tok_s_mean": 87.6}}
+    t = table([done, stopped])
+    assert "| static24 | 24 GB | 0/500 (stopped) | 0.0 | ~88 (decode log) |" in t
+    assert "| off24 | 24 GB | 500/500 | 90.0 | 1000 |" in t
+    r = ratios([done, stopped], "off24")
+    assert "| static24 | - | - | 1.30x | - |" in r
