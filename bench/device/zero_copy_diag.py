@@ -1,6 +1,7 @@
 """Can a Triton kernel read pinned host memory in place, and how fast? (H200 check)
 
     python3 bench/device/zero_copy_diag.py [OUT.json]
+    python3 bench/device/zero_copy_diag.py --pin-cost GIB [OUT.json]
 
 1. a pinned tensor passed as a Triton pointer argument;
 2. the same bytes reached from a device tensor's pointer plus an element offset
@@ -11,6 +12,10 @@
    ``register`` (plain memory, cudaHostRegister: the default) and ``hugepage``
    (2 MiB-aligned, transparent huge pages, registered). Decode with offloaded
    experts is bound by this read (bench/RESULTS.md).
+5. ``--pin-cost GIB``: GPU memory each kind costs per GiB page-locked and mapped
+   (the GPU's translation of the host pages lives in GPU memory; at 4 KiB host
+   pages and 8 B an entry that would be 2 MiB per GiB, which the KV cache loses).
+   Each kind in a fresh process, so one kind's mappings do not hide another's.
 """
 
 from __future__ import annotations
@@ -56,7 +61,52 @@ def by_pin(host, anchor, dev, n, grid) -> dict:
     return out
 
 
+def pin_cost_child(how: str, gib: int) -> None:
+    """Print the MiB of free GPU memory that pinning ``gib`` GiB (1 GiB tensors) took."""
+    import os
+
+    os.environ["SGLANG_RIMURU_HOST_PIN"] = how
+    from sglang_rimuru.experts.host_store import pinned_empty
+
+    torch.empty(1, device="cuda")  # the context first: its own memory is not the pin's
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
+    keep = [pinned_empty((1 << 29,), torch.bfloat16) for _ in range(gib)]
+    torch.cuda.synchronize()
+    free1 = torch.cuda.mem_get_info()[0]
+    print(json.dumps({"kind": how, "gib": gib, "gpu_mib": (free0 - free1) / 2**20, "tensors": len(keep)}))
+
+
+def pin_cost(gib: int) -> dict:
+    import subprocess
+
+    out = {}
+    try:  # "madvise" or "always": huge pages for hugepage_empty's MADV_HUGEPAGE; "never": none
+        out["thp_enabled"] = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+    except OSError as exc:
+        out["thp_enabled"] = f"n/a ({exc})"
+    print("transparent huge pages:", out["thp_enabled"], flush=True)
+    for how in ("torch", "register", "hugepage"):
+        r = subprocess.run([sys.executable, __file__, "--pin-cost-child", how, str(gib)],
+                           capture_output=True, text=True, timeout=120)
+        line = (r.stdout.strip().splitlines() or [r.stderr.strip()[-300:]])[-1]
+        try:
+            d = json.loads(line)
+            out[how] = round(d["gpu_mib"] / gib, 2)
+        except ValueError:
+            out[how] = f"failed: {line}"
+        print(f"GPU MiB per GiB pinned, {how}: {out[how]}", flush=True)
+    return out
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--pin-cost-child":
+        return pin_cost_child(sys.argv[2], int(sys.argv[3]))
+    if len(sys.argv) > 2 and sys.argv[1] == "--pin-cost":
+        res = {"gpu_mib_per_gib_pinned": pin_cost(int(sys.argv[2]))}
+        if len(sys.argv) > 3:
+            json.dump(res, open(sys.argv[3], "w"), indent=1)
+        return print(json.dumps(res))
     res = {}
     n = 64 << 20  # elements of bf16: 128 MiB
     host = torch.randn(n, dtype=torch.float32).to(torch.bfloat16).pin_memory()
