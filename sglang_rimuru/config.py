@@ -186,7 +186,10 @@ class RimuruConfig:
             metavar="N",
             help="Forward passes of at most N tokens read offloaded experts in place from pinned host "
             "memory over PCIe (no copy, no host sync); larger ones copy the routed offloaded experts "
-            "into load buffers first. CUDA graphs always read in place. 0: always copy outside graphs.",
+            "into load buffers first. N is for uniform routing: with a ranking file whose offloaded "
+            "experts are colder, longer passes read in place while each expects at most N*top_k/E "
+            "tokens (and captured prefill graphs replay). CUDA graphs always read in place. "
+            "0: always copy outside graphs.",
         )
         group.add_argument(
             "--rimuru-moe-kernel",

@@ -14,14 +14,19 @@ import pytest
 
 from rimuru_patches.unified_pool import _prefill_graph_gate
 from rimuru_patches.unified_pool.runtime import RimuruRuntime
-from tests.experts.rig import make_rig
+from sglang_rimuru.experts import ExpertRanking
+from tests.experts.rig import make_rig, tiny_shape
 
 
 def runtime_for(rig, host_reads: bool, max_tokens: int = 128):
-    # the method reads the worker's residency, its host-read switch and one flag
-    manager = SimpleNamespace(residency=rig.residency, host_reads=host_reads)
-    return SimpleNamespace(manager=manager, shape=rig.shape,
-                           config=SimpleNamespace(zero_copy_max_tokens=max_tokens))
+    # the method reads the worker's manager (residency, host-read switch, the offloaded
+    # experts' probabilities) and one flag
+    manager = rig.manager if host_reads else SimpleNamespace(
+        residency=rig.residency, host_reads=False, shape=rig.shape, offloaded_max_p=rig.manager.offloaded_max_p)
+    assert manager.host_reads is host_reads
+    rt = SimpleNamespace(manager=manager, shape=rig.shape, config=SimpleNamespace(zero_copy_max_tokens=max_tokens))
+    rt._reads_in_place = lambda n, layer_id=None: RimuruRuntime._reads_in_place(rt, n, layer_id)
+    return rt
 
 
 def may_replay(rt, tokens: int) -> bool:
@@ -43,18 +48,57 @@ def test_every_expert_resident_replays_any_prefill():
 
 
 def test_with_experts_out_only_passes_read_in_place_anyway_replay():
-    rig = make_rig()  # 3 of 8 out per layer
+    # The rig's ranking: a token picks the expert of rank r with probability 2 (8 - r) / 36
+    # (top-2 of 8). In place while T * p_max <= N * top_k / E = 128 * 2 / 8 = 32 tokens.
+    rig = make_rig()  # 3 of 8 out per layer: ranks 5-7, the hottest of them p = 6/36
     rt = runtime_for(rig, host_reads=True, max_tokens=128)
-    assert may_replay(rt, 1) and may_replay(rt, 128)
-    assert not may_replay(rt, 129) and not may_replay(rt, 2048)  # eager: each expert copied once
+    assert rig.manager.offloaded_max_p() == pytest.approx(1 / 6)
+    assert may_replay(rt, 1) and may_replay(rt, 192)  # 192 / 6 = 32 tokens for the hottest out
+    assert not may_replay(rt, 193) and not may_replay(rt, 2048)  # eager: each expert copied once
     # without host reads an offloaded row is -1: a replay would read zeros, never replay
     assert not may_replay(runtime_for(rig, host_reads=False), 1)
-    # one expert out is enough to send a large prefill to the copy path
+    # one hot expert out (layer 1's rank 0, p = 16/36) is enough to send a large prefill to the
+    # copy path: 72 tokens give it the 32
     rig = make_rig(pages=80)
     restore_all(rig)
     rig.residency.evict(1, 7)
-    assert not may_replay(runtime_for(rig, host_reads=True), 2048)
-    assert may_replay(runtime_for(rig, host_reads=True), 64)
+    rt = runtime_for(rig, host_reads=True)
+    assert rig.manager.offloaded_max_p() == pytest.approx(16 / 36) and rig.manager.offloaded_max_p(0) == 0.0
+    assert may_replay(rt, 64) and may_replay(rt, 72)
+    assert not may_replay(rt, 73) and not may_replay(rt, 2048)
+
+
+def test_uniform_routing_replays_exactly_up_to_the_flag():
+    """The default ranking (uniform): the rule is the token count, as before skew counted."""
+    shape = tiny_shape()
+    rig = make_rig(shape, ranking=ExpertRanking.default(shape))
+    for n in (1, 100, 128, 129):
+        rt = runtime_for(rig, host_reads=True, max_tokens=n)
+        assert may_replay(rt, n) and not may_replay(rt, n + 1)
+
+
+def test_cold_experts_out_keep_long_prefills_replaying():
+    """Skewed routing: experts a token picks with a tenth of the uniform probability
+    leave passes of ten times the flag replaying; one never routed never forces a copy;
+    evicting a hot one brings the limit back down (recomputed from the residency)."""
+    shape = tiny_shape()  # E = 8, top-2: uniform p = 1/4
+    orders = {l: list(range(8)) for l in shape.layer_ids}
+    # ranks 5-7 cold: p = 0.025, 0.025, 0 (a token's two picks sum to 2)
+    probs = {l: [0.65, 0.5, 0.4, 0.2, 0.2, 0.025, 0.025, 0.0] for l in shape.layer_ids}
+    rig = make_rig(shape, ranking=ExpertRanking(8, orders, probs))
+    assert [rig.residency.offloaded(l) for l in shape.layer_ids] == [[5, 6, 7], [5, 6, 7]]
+    rt = runtime_for(rig, host_reads=True, max_tokens=128)
+    assert rig.manager.offloaded_max_p() == pytest.approx(0.025)
+    assert may_replay(rt, 1280) and not may_replay(rt, 1281)
+    # only the never-routed expert out: every pass replays
+    rig = make_rig(shape, ranking=ExpertRanking(8, orders, probs), pages=80)
+    restore_all(rig)
+    rig.residency.evict(0, 7)
+    rt = runtime_for(rig, host_reads=True)
+    assert may_replay(rt, 8192)
+    rig.residency.evict(1, 0)  # a hot one (p = 0.65): 32 / 0.65 = 49.2 tokens
+    assert may_replay(rt, 49) and not may_replay(rt, 50)
+    assert rig.manager.offloaded_max_p(0) == 0.0 and rig.manager.offloaded_max_p(1) == pytest.approx(0.65)
 
 
 @pytest.mark.parametrize("sglang_says", [True, False])

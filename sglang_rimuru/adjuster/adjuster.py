@@ -156,15 +156,11 @@ class Adjuster:
         top_k = residency.shape.top_k
         # per-token routing probability of each expert: the ranking's, scaled so a
         # layer's sum to top_k (a token picks top_k experts)
-        self._token_p = {}
-        for l in residency.shape.layer_ids:
-            probs = [ranking.probability(l, e) for e in range(residency.shape.num_experts)]
-            total = sum(probs)
-            self._token_p[l] = [(p * top_k / total) if total > 0 else top_k / len(probs) for p in probs]
-        # Leaving "every expert resident" (cost.py's eager_prefill_share): the probabilities
-        # of the experts the offload limit lets go, coldest first (at most the limit a layer)
-        lim = residency.offload_limit
-        self._leave_probs = sorted(p for l in residency.shape.layer_ids for p in sorted(self._token_p[l])[:lim])
+        self._token_p = {l: ranking.token_probabilities(l, top_k) for l in residency.shape.layer_ids}
+        # Leaving the states whose prefills replay (cost.py's eager_prefill_share): a larger
+        # move takes each layer's coldest experts first (_leave_candidates)
+        self._coldest = {l: sorted(range(residency.shape.num_experts), key=lambda e, l=l: (self._token_p[l][e], e))
+                         for l in residency.shape.layer_ids}
         self._leaving_memo: tuple | None = None  # (inputs, answer) of the last _leaving_pays
         self._seq = 0
         self._last_round: int | None = None
@@ -378,8 +374,8 @@ class Adjuster:
         new = [self._token_p[l][e] for l, e in victims]
         if decision.reason == "low_water" and not load.urgent:
             # pre-emptive: only victims so cold that their price is within the margin of a step,
-            # and never the first one out where that turns the prefills eager (cost.py)
-            if not offloaded and cost.eager_prefill_share > cost.margin:
+            # and never the move that turns the prefills eager (cost.py)
+            if cost.eager_prefill_share > cost.margin and cost.eager([*offloaded, *new]) and not cost.eager(offloaded):
                 return False
             return cost.offload_ms(new, load.running) <= cost.margin * cost.step_ms(load.running)
         # the KV sizes that price bringing experts back instead (cost.py: no ratchet)
@@ -411,39 +407,64 @@ class Adjuster:
             admits = max(load.running + head, after) - batch
         if cost.eviction_pays(batch, admits, offloaded, new, kv_per_request, kv_per_expert):
             return True
-        if offloaded or cost.eager_prefill_share <= 0 or cap is None:
+        if cap is None or cost.eager(offloaded) or not cost.eager([*offloaded, *new]):
             return False
-        return self._leaving_pays(load, cap, batch, kv_per_request, kv_per_expert, len(victims))
+        return self._leaving_pays(load, cap, batch, kv_per_request, kv_per_expert, len(victims), self._out_now())
+
+    def _out_now(self) -> frozenset[tuple[int, int]]:
+        """(layer, expert) of every expert out of the pool or on its way out."""
+        res = self.residency
+        out = {(l, e) for l in res.shape.layer_ids for e in res.offloaded(l)}
+        out.update((m.layer, m.expert) for o in self._in_flight.values() for m in o.evict)
+        return frozenset(out)
+
+    def _leave_candidates(self, out: frozenset[tuple[int, int]]) -> list[float]:
+        """Probabilities, ascending, of the experts a larger move could still send out
+        with ``out`` out: each layer's coldest, up to the offload limit less its own out."""
+        lim = self.residency.offload_limit
+        per_layer = Counter(l for l, _ in out)
+        cands = []
+        for l, coldest in self._coldest.items():
+            room = lim - per_layer[l]
+            for e in coldest:
+                if room <= 0:
+                    break
+                if (l, e) not in out:
+                    cands.append(self._token_p[l][e])
+                    room -= 1
+        return sorted(cands)
 
     def _leaving_pays(self, load: Load, cap: int, batch: int, kv_per_request: float, kv_per_expert: float,
-                      n_victims: int) -> bool:
-        """From every expert resident, while requests wait: whether some larger move (the
-        coldest experts the offload limit lets go, doubling from ``2 * n_victims``) pays,
-        the eager-prefill share included. The first eviction pays that share for every
-        later one, which is priced on decode alone; a shortfall's few victims alone
-        could never win it back, even where cold experts would (skewed routing).
-        Up to ~0.7 ms at 720 candidates: a round that asks as the last one did (a queue
-        standing still) reuses its answer."""
-        key = (self.cost, batch, load.running, load.waiting, cap, kv_per_request, kv_per_expert, n_victims)
+                      n_victims: int, out: frozenset[tuple[int, int]]) -> bool:
+        """From a state whose prefills replay (``out`` out), while requests wait: whether
+        some larger move (the coldest experts the offload limit still lets go, doubling
+        from ``2 * n_victims``) pays, the eager-prefill share included. The move that
+        turns prefills eager pays that share for every later one, which is priced on
+        decode alone; a shortfall's few victims alone could never win it back, even
+        where cold experts would (skewed routing). Up to ~0.7 ms at 720 candidates: a
+        round that asks as the last one did (a queue standing still) reuses its answer."""
+        key = (self.cost, batch, load.running, load.waiting, cap, kv_per_request, kv_per_expert, n_victims, out)
         if self._leaving_memo is not None and self._leaving_memo[0] == key:
             return self._leaving_memo[1]
-        pays = self._leaving_pays_now(load, cap, batch, kv_per_request, kv_per_expert, n_victims)
+        pays = self._leaving_pays_now(load, cap, batch, kv_per_request, kv_per_expert, n_victims, out)
         self._leaving_memo = (key, pays)
         return pays
 
     def _leaving_pays_now(self, load: Load, cap: int, batch: int, kv_per_request: float,
-                          kv_per_expert: float, n_victims: int) -> bool:
-        cost, cands = self.cost, self._leave_probs
+                          kv_per_expert: float, n_victims: int, out: frozenset[tuple[int, int]]) -> bool:
+        cost, cands = self.cost, self._leave_candidates(out)
+        offloaded = [self._token_p[l][e] for l, e in out]
         n = 2 * max(1, n_victims)
-        while True:
+        while cands:
             n = min(n, len(cands))
             after = self._kv_batch(load, cap + n * kv_per_expert, kv_per_request)
-            if cost.eviction_pays(batch, max(load.running, after) - batch, [], cands[:n],
+            if cost.eviction_pays(batch, max(load.running, after) - batch, offloaded, cands[:n],
                                   kv_per_request, kv_per_expert):
                 return True
             if n == len(cands):
                 return False
             n *= 2
+        return False
 
     def _kv_per_expert(self) -> float:
         """KV pages one expert's pages hold."""
@@ -497,6 +518,7 @@ class Adjuster:
         cap = kv_used + self.page_pool.kv_capacity_now()
         batch = max(load.running, self._kv_batch(load, cap, kv_per_request))
         offloaded = self.offloaded_token_probabilities()
+        out = self._out_now()
         now = cost.throughput(batch, offloaded)
         for n in range(len(back), 0, -1):
             rest = list(offloaded)
@@ -504,10 +526,10 @@ class Adjuster:
                 rest.remove(self._token_p[l][e])
             after = self._kv_batch(load, cap - n * kv_per_expert, kv_per_request)
             if cost.throughput(after, rest) > (1.0 + cost.margin) * now:
-                if not rest and cost.eager_prefill_share > 0 and self._leaving_pays(
+                if cost.eager(offloaded) and not cost.eager(rest) and self._leaving_pays(
                         load, cap - n * kv_per_expert, max(load.running, after), kv_per_request,
-                        kv_per_expert, n):
-                    continue  # all back earns the share, but leaving again would pay: it would flap
+                        kv_per_expert, n, out - frozenset(back[:n])):
+                    continue  # back earns the share, but leaving again would pay: it would flap
                 return back[:n]
         return []
 

@@ -342,6 +342,7 @@ class ElasticController:
             cost = self.adjuster.cost
             if cost is not None:  # what the cost-aware adjuster priced this order with
                 line["cost_ms"] = dict(base=cost.base_ms, per_request=cost.per_request_ms, expert=cost.expert_ms,
-                                       eager_prefill_share=cost.eager_prefill_share)
+                                       eager_prefill_share=cost.eager_prefill_share,
+                                       replay_max_p=cost.replay_max_p)
             with open(self.trace_path, "a") as f:
                 f.write(json.dumps(line) + "\n")

@@ -38,16 +38,19 @@ requests (``restored_throughput``): with ``j`` experts back a step runs
 expert resident that reference is plain SGLang's operating point, and the pool
 never leaves it unless offloading beats it.
 
-Leaving that point has a price of its own (``eager_prefill_share``): while any
-expert is out, prefill passes longer than ``--rimuru-zero-copy-max-tokens`` run
-eagerly instead of replaying SGLang's captured prefill graphs (a replay would
-re-read every offloaded expert in place per block of tokens:
-``RimuruRuntime.prefill_graph_may_replay``). On the H200 (bench/RESULTS.md,
-elastic32) eager prefills cost elastic about a fifth of its throughput at equal
-decode steps: 811 against 1,037 tok/s. So every state with an expert out runs at
-``(1 - eager_prefill_share)`` of its decode throughput; the first eviction must
-win that back (an eviction there priced +1.7 % sent 22 experts out for 10 s and
-turned the prefills eager), and bringing the last experts back earns it.
+Leaving that point has a price of its own (``eager_prefill_share``): while an
+expert is out that a long prefill pass would route more than a block of tokens
+to, those passes run eagerly instead of replaying SGLang's captured prefill
+graphs (a replay would re-read it in place per block of tokens:
+``RimuruRuntime.prefill_graph_may_replay``, ``sglang_rimuru/experts/in_place.py``).
+On the H200 (bench/RESULTS.md, elastic32) eager prefills cost elastic about a
+fifth of its throughput at equal decode steps: 811 against 1,037 tok/s. So every
+state with such an expert out (per-token probability above ``replay_max_p``:
+under uniform routing, any) runs at ``(1 - eager_prefill_share)`` of its decode
+throughput; the first such eviction must win that back (an eviction priced
++1.7 % sent 22 uniform experts out for 10 s and turned the prefills eager), and
+bringing those experts back earns it. Cold experts under ``replay_max_p`` (skewed
+routing) go out without it: the largest prefill pass still replays.
 """
 
 from __future__ import annotations
@@ -93,9 +96,12 @@ class CostModel:
     ``base_ms`` + ``per_request_ms * B``: a decode step with every expert resident.
     ``margin``: the relative gain an eviction must promise (the estimates are rough;
     never offload on a coin flip).
-    ``eager_prefill_share``: the share of throughput lost while any expert is out
-    because prefill passes then run eagerly (module docstring; 0 where prefill
-    runs eagerly anyway: CPU, CUDA graphs off).
+    ``eager_prefill_share``: the share of throughput lost while an expert is out
+    that makes prefill passes run eagerly (module docstring; 0 where prefill runs
+    eagerly anyway: CPU, CUDA graphs off).
+    ``replay_max_p``: the per-token probability up to which an offloaded expert
+    leaves the largest prefill pass replaying (``in_place.replay_max_probability``);
+    0 (the default): every expert that is ever routed makes prefills eager.
     """
 
     expert_ms: float
@@ -103,6 +109,7 @@ class CostModel:
     per_request_ms: float
     margin: float = 0.01
     eager_prefill_share: float = 0.0
+    replay_max_p: float = 0.0
 
     #: restored_throughput tries every j experts back up to EXACT_J, then SPREAD_J more
     EXACT_J = 16
@@ -120,11 +127,18 @@ class CostModel:
 
     @classmethod
     def for_expert(cls, expert_bytes: int, pcie_gbps: float, base_ms: float, per_request_ms: float,
-                   margin: float = 0.01, eager_prefill_share: float = 0.0) -> "CostModel":
+                   margin: float = 0.01, eager_prefill_share: float = 0.0,
+                   replay_max_p: float = 0.0) -> "CostModel":
         if pcie_gbps <= 0:
             raise ValueError(f"pcie_gbps must be > 0, got {pcie_gbps!r}")
         return cls(expert_ms=expert_bytes / (pcie_gbps * 1e6), base_ms=base_ms,
-                   per_request_ms=per_request_ms, margin=margin, eager_prefill_share=eager_prefill_share)
+                   per_request_ms=per_request_ms, margin=margin, eager_prefill_share=eager_prefill_share,
+                   replay_max_p=replay_max_p)
+
+    def eager(self, offloaded: Iterable[float]) -> bool:
+        """Whether a state with ``offloaded`` experts' probabilities out pays
+        ``eager_prefill_share``: one of them is above ``replay_max_p``."""
+        return self.eager_prefill_share > 0 and any(p > self.replay_max_p for p in offloaded)
 
     def step_ms(self, batch: int) -> float:
         """A decode step of ``batch`` requests with every expert resident."""
@@ -141,12 +155,12 @@ class CostModel:
 
     def throughput(self, batch: int, offloaded: Iterable[float]) -> float:
         """Decode tokens per ms at ``batch`` with ``offloaded`` experts' probabilities
-        (less ``eager_prefill_share`` when any is out)."""
+        (less ``eager_prefill_share`` when they make prefills eager: ``eager``)."""
         if batch <= 0:
             return 0.0
         offloaded = offloaded if isinstance(offloaded, (list, tuple)) else list(offloaded)
         tp = batch / (self.step_ms(batch) + self.offload_ms(offloaded, batch))
-        return tp * (1.0 - self.eager_prefill_share) if offloaded else tp
+        return tp * (1.0 - self.eager_prefill_share) if self.eager(offloaded) else tp
 
     def restored_throughput(self, batch: int, offloaded: list[float], kv_per_request: float,
                             kv_per_expert: float) -> float:
@@ -163,7 +177,8 @@ class CostModel:
         """
         if batch <= 1 or not offloaded or kv_per_request <= 0 or kv_per_expert <= 0:
             return 0.0
-        groups = _groups(sorted(offloaded, reverse=True))
+        desc = sorted(offloaded, reverse=True)
+        groups = _groups(desc)
         n = len(offloaded)
         js = sorted(set(range(1, min(n, self.EXACT_J) + 1))
                     | {max(1, n * k // self.SPREAD_J) for k in range(1, self.SPREAD_J + 1)})
@@ -179,7 +194,8 @@ class CostModel:
                 if left:
                     reads += left * touched(p, b)
             tp = b / (self.step_ms(b) + reads * self.expert_ms)
-            best = max(best, tp if j == n else tp * (1.0 - self.eager_prefill_share))
+            # the j most probable back: the rest's hottest (desc[j]) says whether prefills stay eager
+            best = max(best, tp * (1.0 - self.eager_prefill_share) if j < n and self.eager(desc[j:j + 1]) else tp)
         return best
 
     def eviction_pays(self, batch: int, admit: int, offloaded: list[float], victims: list[float],

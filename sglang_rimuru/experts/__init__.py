@@ -8,6 +8,7 @@ See README.md.
 
 from .copy_runs import page_runs
 from .host_store import HostExpertStore
+from .in_place import reads_in_place, replay_max_probability
 from .load_buffers import NUM_LOAD_BUFFERS, LoadBuffers, load_buffer_page_owner
 from .manager import BufferContent, ExpertManager, ExpertNotPreparedError, ExpertStats, KernelHooks
 from .ranking import FORMAT, VERSION, ExpertRanking, RankingError, load_ranking, save_ranking
@@ -35,5 +36,7 @@ __all__ = [
     "load_buffer_page_owner",
     "load_ranking",
     "page_runs",
+    "reads_in_place",
+    "replay_max_probability",
     "save_ranking",
 ]

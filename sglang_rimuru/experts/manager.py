@@ -213,6 +213,8 @@ class ExpertManager:
         self._loaded_rows: dict[int, dict[int, int]] = {l: {} for l in shape.layer_ids}
         ranking = residency.ranking
         self._rank = {l: [ranking.rank(l, x) for x in range(e)] for l in shape.layer_ids}
+        self._token_p = {l: ranking.token_probabilities(l, shape.top_k) for l in shape.layer_ids}
+        self._max_p: tuple[int, dict[int, float], float] | None = None  # (residency.changes, per layer, all)
         self._bufs = [_BufferState() for _ in range(NUM_LOAD_BUFFERS)]
         self._pending: list[set[int]] = [set() for _ in range(NUM_LOAD_BUFFERS)]
         #: what compute_cuda passes the paged kernel (set once, e.g. by the SGLang seam)
@@ -481,6 +483,18 @@ class ExpertManager:
             self._loaded_rows[l] = {}
             self._offloaded_now[l] = self.residency.offloaded(l)
             self._table_version[l] = v
+
+    def offloaded_max_p(self, layer_id: int | None = None) -> float:
+        """The largest per-token routing probability (the ranking's, scaled to ``top_k``
+        a token) among the experts offloaded now, in ``layer_id`` or in any layer; 0.0
+        where none is. What ``in_place.reads_in_place`` takes; recomputed only after
+        the resident set changed."""
+        res = self.residency
+        if self._max_p is None or self._max_p[0] != res.changes:
+            per = {l: max((self._token_p[l][x] for x in res.offloaded(l)), default=0.0)
+                   for l in self.shape.layer_ids}
+            self._max_p = (res.changes, per, max(per.values(), default=0.0))
+        return self._max_p[2] if layer_id is None else self._max_p[1][layer_id]
 
     def _host_row(self, expert: int) -> tuple[int, int, int]:
         if not self.host_reads:

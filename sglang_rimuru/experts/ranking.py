@@ -95,6 +95,16 @@ class ExpertRanking:
     def probability(self, layer: int, expert: int) -> float:
         return self._layer(self._prob, layer)[expert]
 
+    def token_probabilities(self, layer: int, top_k: int) -> list[float]:
+        """Per expert id, the probability that a token picks it: the layer's
+        probabilities scaled to sum to ``top_k`` (a token picks ``top_k`` experts;
+        a ranking file may hold any non-negative weights), uniform where they sum to 0."""
+        probs = self._layer(self._prob, layer)
+        total = sum(probs)
+        if total <= 0:
+            return [top_k / len(probs)] * len(probs)
+        return [p * top_k / total for p in probs]
+
     def check_fits(self, shape: MoEShape, source: str = "ranking") -> None:
         """``RankingError`` unless this ranking covers exactly ``shape``'s MoE layers and E."""
         if self.num_experts != shape.num_experts:

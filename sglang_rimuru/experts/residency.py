@@ -69,6 +69,7 @@ class ExpertResidency:
         self._pages: dict[int, dict[int, tuple[int, int, int]]] = {l: {} for l in shape.layer_ids}
         self._holder: dict[int, tuple[int, int]] = {}
         self._version: dict[int, int] = {l: 0 for l in shape.layer_ids}
+        self._changes = 0  # every layer's changes: one number that says "something moved"
         self._placed = False
         if resident is not None:
             self._start_from(resident)
@@ -86,6 +87,7 @@ class ExpertResidency:
             for expert, pages in experts.items():
                 self._put(layer, expert, pages, "placement")
             self._version[layer] += 1
+            self._changes += 1
         self._placed = True
 
     def placement(self) -> dict[int, dict[int, tuple[int, int, int]]]:
@@ -152,6 +154,7 @@ class ExpertResidency:
                     raise NotEnoughPagesError(f"pool ran out placing layer {layer} expert {expert}")
                 self._put(layer, expert, pages, "place")
             self._version[layer] += 1
+            self._changes += 1
         self._placed = True
 
     # ================================================================ queries
@@ -187,6 +190,11 @@ class ExpertResidency:
     def num_offloaded(self, layer: int) -> int:
         return self.shape.num_experts - len(self._layer(layer))
 
+    @property
+    def changes(self) -> int:
+        """Changes to any layer's resident set so far (grows with every one)."""
+        return self._changes
+
     def version(self, layer: int) -> int:
         """Bumped on every change of ``layer``'s resident set."""
         self._layer(layer)
@@ -221,6 +229,7 @@ class ExpertResidency:
         for p in pages:
             del self._holder[p]
         self._version[layer] += 1
+        self._changes += 1
         return pages
 
     def admit(self, layer: int, expert: int, pages: Sequence[int]) -> None:
@@ -235,6 +244,7 @@ class ExpertResidency:
                              f"on pages {res[expert]}")
         self._put(layer, expert, pages, "admit")
         self._version[layer] += 1
+        self._changes += 1
 
     # ================================================================ internals
 

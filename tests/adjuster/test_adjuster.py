@@ -528,6 +528,15 @@ def test_no_pre_emptive_first_eviction_where_it_turns_prefill_eager():
                    cost=dataclasses.replace(free, eager_prefill_share=0.2))
     assert adj.plan_round(0, 0, Load(running=30, admits=1)) is None
     assert adj.stats().decisions["priced_out"] == 1
+    # skewed routing: the coldest experts (a token picks layer 1's expert 0 with 0.021, layer 0's
+    # expert 6 and layer 1's expert 1 with 0.042) under replay_max_p leave the prefills
+    # replaying, so they go as they would without prefill graphs
+    rig = low_water_rig()
+    adj = Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking,
+                   cost=dataclasses.replace(free, eager_prefill_share=0.2, replay_max_p=0.06))
+    order = adj.plan_round(0, 0, Load(running=30, admits=1))
+    assert order is not None and order.reason.startswith("low_water")
+    assert all(adj._token_p[m.layer][m.expert] <= 0.06 for m in order.evict)
 
 
 def test_leaving_every_expert_resident_is_priced_as_the_whole_move():
@@ -560,6 +569,15 @@ def test_leaving_every_expert_resident_is_priced_as_the_whole_move():
                     cost=dataclasses.replace(cheap, expert_ms=10.0))
     assert dear.plan_round(0, 4, load) is None
     assert dear.stats().decisions["priced_out"] == 1
+    # a cold victim under replay_max_p keeps the prefills replaying: priced on decode alone
+    # (p = 0.021: 5 / (1.25 + touched(0.021, 5) * 0.1) = 3.97 tokens/ms against 3.33), no larger
+    # move asked
+    rig = queued_rig()
+    skew = Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking,
+                    cost=dataclasses.replace(cheap, replay_max_p=0.06))
+    order = skew.plan_round(0, 4, load)
+    assert order is not None and [m.key for m in order.evict] == [(1, 0)]
+    assert skew._leaving_memo is None
 
 
 def test_the_last_experts_stay_out_while_leaving_would_pay_again():
@@ -591,3 +609,25 @@ def test_the_last_experts_stay_out_while_leaving_would_pay_again():
     assert adj._restores_that_pay(load, 15, rig.pool.stats(), ()) == []
     rig, adj = one_cold_out(dataclasses.replace(cheap, expert_ms=10.0))  # reads dear: leaving would not pay
     assert adj._restores_that_pay(load, 15, rig.pool.stats(), ()) == [(1, 0)]
+
+
+def test_a_larger_move_takes_each_layers_coldest_still_in_the_pool():
+    """``_leave_candidates``: what a move out of a replaying state could still send out,
+    per layer its coldest experts not out, up to the offload limit (4) less those out."""
+    rig = make_rig(pages=80, resident=8)  # every expert resident
+    adj = adjuster_for(rig)
+    tp = adj._token_p
+
+    def probs(keys):
+        return pytest.approx(sorted(tp[l][e] for l, e in keys))
+
+    coldest = {0: [6, 7, 2, 5], 1: [0, 1, 2, 3], 2: [0, 1, 2, 3]}  # rig.py's PROBS; layer 2 uniform: by id
+    assert adj._leave_candidates(frozenset()) == probs([(l, e) for l, es in coldest.items() for e in es])
+    rest = [(l, e) for l in (0, 2) for e in coldest[l]]
+    # layer 1's coldest (expert 0) out: room for three more there, its next coldest
+    assert adj._leave_candidates(frozenset({(1, 0)})) == probs(rest + [(1, 1), (1, 2), (1, 3)])
+    # layer 1's hottest (expert 7) out: room for three, its three coldest
+    assert adj._leave_candidates(frozenset({(1, 7)})) == probs(rest + [(1, 0), (1, 1), (1, 2)])
+    # layer 0 at its limit: nothing more from it
+    assert adj._leave_candidates(frozenset({(0, 6), (0, 7), (0, 2), (0, 3)})) == probs(
+        [(l, e) for l in (1, 2) for e in coldest[l]])

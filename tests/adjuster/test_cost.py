@@ -311,3 +311,23 @@ def test_bringing_the_last_experts_back_earns_the_share():
     assert all_back > one_back
     assert EAGER.restored_throughput(10, [UNIFORM, UNIFORM], 100, 100) == pytest.approx(all_back)
     assert H200.restored_throughput(10, [UNIFORM, UNIFORM], 100, 100) == pytest.approx(one_back / 0.8)
+
+
+def test_cold_experts_under_replay_max_p_cost_no_eager_share():
+    """Skewed routing: an offloaded expert a token picks with at most ``replay_max_p``
+    leaves the largest prefill pass replaying, so a state with only such experts out
+    pays no eager-prefill share (the runtime's rule, sglang_rimuru/experts/in_place.py)."""
+    import dataclasses
+
+    m = CostModel(expert_ms=0.1, base_ms=1.0, per_request_ms=0.05, eager_prefill_share=0.2, replay_max_p=0.01)
+    assert not m.eager([]) and not m.eager([0.01, 0.0]) and m.eager([0.01, 0.0101])
+    assert not dataclasses.replace(m, eager_prefill_share=0.0).eager([0.5])
+    assert dataclasses.replace(m, replay_max_p=0.0).eager([1e-6])  # the default: any routed expert
+    cold, warm = [0.01, 0.005], [0.02]
+    assert m.throughput(4, cold) == pytest.approx(4 / (1.2 + m.offload_ms(cold, 4)))
+    assert m.throughput(4, warm) == pytest.approx(0.8 * 4 / (1.2 + m.offload_ms(warm, 4)))
+    # restoring the warm one of [0.3, 0.005] (j = 1, batch 6 -> 5) leaves a cold rest: no share
+    r = m.restored_throughput(6, [0.3, 0.005], kv_per_request=10, kv_per_expert=10)
+    assert r == pytest.approx(5 / (1.25 + touched(0.005, 5) * 0.1))
+    r0 = dataclasses.replace(m, replay_max_p=0.0).restored_throughput(6, [0.3, 0.005], 10, 10)
+    assert r0 == pytest.approx(4 / 1.2)  # there the j = 1 state keeps the share: all back (j = 2) wins

@@ -41,6 +41,8 @@ from sglang_rimuru.experts import (
     LoadBuffers,
     MoEShape,
     load_ranking,
+    reads_in_place,
+    replay_max_probability,
 )
 from sglang_rimuru.plan import GIB, ModelFacts, PlanError, PoolPlan, plan_pool
 from sglang_rimuru.pool import PoolBuffer, PoolGeometry, UnifiedPagePool
@@ -66,11 +68,25 @@ def active() -> "RimuruRuntime | None":
 STEP_PRIOR_MS = (5.9, 0.17)
 #: in-place reads reached 93 % of a pinned copy on the H200 (bench/RESULTS.md)
 IN_PLACE_SHARE = 0.93
-#: throughput lost while any expert is out and prefill graphs are on: prefill passes then run
-#: eagerly (prefill_graph_may_replay). H200, elastic32 at equal decode steps: 811 tok/s with
+#: throughput lost while an expert is out that long prefill passes route more than a block of
+#: tokens to, with prefill graphs on: those passes then run eagerly (prefill_graph_may_replay). H200, elastic32 at equal decode steps: 811 tok/s with
 #: every prefill eager (7508738) against 1,037 with the graphs replaying (312737e),
 #: bench/RESULTS.md; CostModel.eager_prefill_share
 EAGER_PREFILL_SHARE = 0.2
+
+
+def _largest_replayed_prefill(server_args) -> int:
+    """The most tokens a captured prefill pass holds: SGLang's prefill-graph size
+    (0.5.17: ``cuda_graph_config.prefill.max_bs``), at most the chunked prefill size.
+    A renamed attribute fails the elastic start here, by name."""
+    try:
+        graph_max = server_args.cuda_graph_config.prefill.max_bs
+    except AttributeError as exc:
+        raise RuntimeError("sglang-rimuru: SGLang's ServerArgs.cuda_graph_config.prefill.max_bs is gone "
+                           f"({exc}); the cost model needs the longest captured prefill pass") from exc
+    sizes = [v for v in (graph_max, server_args.chunked_prefill_size) if isinstance(v, int) and v > 0]
+    # neither set: a prefill pass is at most max_prefill_tokens (an int in every ServerArgs)
+    return min(sizes) if sizes else int(server_args.max_prefill_tokens)
 
 
 #: ``SGLANG_RIMURU_PCIE_GBPS``: the in-place read rate the cost model assumes, GB/s (instead of
@@ -256,7 +272,7 @@ class RimuruRuntime:
             prefill_graphs = (device.type == "cuda" and not server_args.disable_cuda_graph
                               and not server_args.disable_prefill_cuda_graph)
             elastic = cls._build_elastic(config, page_pool, residency, ranking, manager, model_runner.ps.tp_rank,
-                                         prefill_graphs)
+                                         _largest_replayed_prefill(server_args) if prefill_graphs else 0)
         runtime = cls(
             config=config,
             plan=plan,
@@ -368,7 +384,9 @@ class RimuruRuntime:
 
     @staticmethod
     def _build_elastic(config: RimuruConfig, page_pool, residency, ranking, manager, tp_rank: int,
-                       prefill_graphs: bool = False):
+                       prefill_graph_tokens: int = 0):
+        """``prefill_graph_tokens``: the longest prefill pass a captured graph replays
+        (0: prefill graphs off, prefills run eagerly anyway)."""
         from sglang_rimuru.adjuster import Adjuster
         from sglang_rimuru.adjuster.applier import OrderApplier
         from sglang_rimuru.adjuster.controller import ElasticController
@@ -379,14 +397,20 @@ class RimuruRuntime:
             from sglang_rimuru.adjuster.cost import CostModel
 
             shape = residency.shape
+            graphs = prefill_graph_tokens > 0
+            replay_p = (replay_max_probability(prefill_graph_tokens, config.zero_copy_max_tokens, shape.top_k,
+                                               shape.num_experts) if graphs else 0.0)
             cost = CostModel.for_expert(shape.expert_bytes, _in_place_read_gbps(manager.device),
                                         base_ms=STEP_PRIOR_MS[0], per_request_ms=STEP_PRIOR_MS[1],
-                                        eager_prefill_share=EAGER_PREFILL_SHARE if prefill_graphs else 0.0)
+                                        eager_prefill_share=EAGER_PREFILL_SHARE if graphs else 0.0,
+                                        replay_max_p=replay_p)
             logger.info("sglang-rimuru cost-aware adjuster: an expert costs %.3f ms per decode step that "
                         "routes to it (%d B over PCIe); step time fitted from decode rounds; %s", cost.expert_ms,
                         shape.expert_bytes,
-                        f"any expert out costs {cost.eager_prefill_share:.0%} of throughput (prefill passes "
-                        "then run without CUDA graphs)" if prefill_graphs else "prefill runs eagerly anyway")
+                        f"an expert out that a token picks with probability above {replay_p:.5f} (uniform: "
+                        f"{shape.top_k / shape.num_experts:.5f}) costs {cost.eager_prefill_share:.0%} of "
+                        f"throughput (prefill passes of {prefill_graph_tokens} tokens then run without CUDA graphs)"
+                        if graphs else "prefill runs eagerly anyway")
         adjuster = Adjuster(config.adjuster_policy(), page_pool, residency, ranking, cost=cost)
         link = OrderLink()
         trace = config.adjuster_trace
@@ -451,8 +475,9 @@ class RimuruRuntime:
         ones from their pages, offloaded ones in place from host memory, once per
         block of tokens. With every expert resident that is exactly what an eager
         pass computes (``moe_forward``'s copy path has nothing to copy), and so it is
-        for passes of up to ``--rimuru-zero-copy-max-tokens`` (eager reads those in
-        place too). Otherwise the eager copy path moves each offloaded expert across
+        for passes that an eager pass reads in place too: up to
+        ``--rimuru-zero-copy-max-tokens`` tokens under uniform routing, more where only
+        cold experts are out (``_reads_in_place``). Otherwise the eager copy path moves each offloaded expert across
         PCIe once (the H200's 4.7k-token prefill with experts out: 0.75 s captured,
         0.14 s eager), and without host reads an offloaded row is -1, which a
         replay would read as zero: both run eagerly.
@@ -463,7 +488,16 @@ class RimuruRuntime:
         """
         if self.manager.residency.all_resident():
             return True
-        return self.manager.host_reads and num_tokens <= self.config.zero_copy_max_tokens
+        return self.manager.host_reads and self._reads_in_place(num_tokens)
+
+    def _reads_in_place(self, num_tokens: int, layer_id: int | None = None) -> bool:
+        """Whether a pass of ``num_tokens`` reads the offloaded experts (of ``layer_id``,
+        or of every layer) in place: up to ``--rimuru-zero-copy-max-tokens`` under
+        uniform routing, longer where only cold experts are out
+        (``sglang_rimuru/experts/in_place.py``)."""
+        shape = self.manager.shape
+        return reads_in_place(num_tokens, self.manager.offloaded_max_p(layer_id), self.config.zero_copy_max_tokens,
+                              shape.top_k, shape.num_experts)
 
     def moe_forward(self, layer, dispatch_output):
         """The MoE of one managed layer, experts read from the pool, the load buffers
@@ -471,11 +505,14 @@ class RimuruRuntime:
 
         Which way (``--rimuru-zero-copy-max-tokens`` = N):
 
-        * under CUDA-graph capture, and for passes of up to N tokens: in place
-          (``manager.table``: resident pages + host pages). Each offloaded expert
-          is read about once, so PCIe carries what a copy would, with no host
-          round trip: what a decode graph captures and replays.
-        * eager passes of more than N tokens: the copy path (prefetch +
+        * under CUDA-graph capture, and for passes whose offloaded experts (of this
+          layer) expect about one block of tokens each: in place (``manager.table``:
+          resident pages + host pages); under uniform routing the passes of up to N
+          tokens, longer ones where only cold experts are out
+          (``sglang_rimuru/experts/in_place.py``). Each offloaded expert is read
+          about once, so PCIe carries what a copy would, with no host round trip:
+          what a decode graph captures and replays.
+        * longer eager passes: the copy path (prefetch +
           ``prepare_layer``), where an expert crosses PCIe once instead of once per
           block of tokens. It reads routing on the host, so it cannot be captured:
           SGLang's captured prefill graphs replay only where they compute what
@@ -491,8 +528,7 @@ class RimuruRuntime:
         topk_weights, topk_ids = dispatch_output.topk_output[:2]
         lid = layer.layer_id
         in_place = self.manager.host_reads and (
-            x.shape[0] <= self.config.zero_copy_max_tokens
-            or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
+            (x.is_cuda and torch.cuda.is_current_stream_capturing()) or self._reads_in_place(x.shape[0], lid))
         if in_place:
             self.manager.note_in_place(lid)
             out = self.manager.compute(lid, x, topk_weights, topk_ids, self.manager.table(lid))
