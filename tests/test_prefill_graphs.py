@@ -122,3 +122,29 @@ def test_the_seam_only_ever_narrows_sglangs_answer(monkeypatch, sglang_says):
     assert gate(None, small) is sglang_says
     assert gate(None, large) is False
     assert seen == [2000, 100, 2000]
+
+
+def test_the_longest_replayed_prefill_pass_from_sglangs_args():
+    """The cost model's ``replay_max_p`` is the rule at the longest captured prefill pass:
+    SGLang's prefill-graph size, at most the chunked prefill size. The attribute is checked
+    against the installed SGLang, so a rename fails here, not at a GPU start."""
+    import dataclasses
+
+    from sglang.srt.model_executor.cuda_graph_config import PhaseConfig
+    from sglang.srt.server_args import ServerArgs
+
+    from rimuru_patches.unified_pool.runtime import _largest_replayed_prefill
+
+    assert "cuda_graph_config" in {f.name for f in dataclasses.fields(ServerArgs)}
+    assert "max_bs" in {f.name for f in dataclasses.fields(PhaseConfig)}
+
+    def args(max_bs, chunk, max_prefill=16384):
+        return SimpleNamespace(cuda_graph_config=SimpleNamespace(prefill=SimpleNamespace(max_bs=max_bs)),
+                               chunked_prefill_size=chunk, max_prefill_tokens=max_prefill)
+
+    assert _largest_replayed_prefill(args(2048, 2048)) == 2048
+    assert _largest_replayed_prefill(args(2048, 1024)) == 1024
+    assert _largest_replayed_prefill(args(2048, -1)) == 2048
+    assert _largest_replayed_prefill(args(None, None)) == 16384
+    with pytest.raises(RuntimeError, match="cuda_graph_config.prefill.max_bs"):
+        _largest_replayed_prefill(SimpleNamespace(chunked_prefill_size=2048, max_prefill_tokens=16384))
