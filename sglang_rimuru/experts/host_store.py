@@ -21,7 +21,7 @@ import torch
 
 from .shapes import MoEShape
 
-__all__ = ["HostExpertStore", "hugepage_empty", "pinned_empty", "PIN_ENV"]
+__all__ = ["HostExpertStore", "hugepage_empty", "pin_in_place", "pinnable_empty", "pinned_empty", "PIN_ENV"]
 
 #: ``SGLANG_RIMURU_HOST_PIN=torch``: page-lock with torch's pinned allocator instead;
 #: ``=hugepage``: register 2 MiB-aligned memory advised to use transparent huge pages
@@ -44,14 +44,27 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     host pages rely on), as SGLang's own HiCache host pool does. The memory
     stays registered for the life of the process.
     """
+    return pin_in_place(pinnable_empty(shape, dtype))
+
+
+def pinnable_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Host memory of exactly ``shape`` of the kind ``PIN_ENV`` names, not yet
+    page-locked: plain memory or huge pages, for ``pin_in_place`` later (serving
+    pins the host store only after the pool is sized: ``RimuruRuntime.build``).
+    ``torch``'s pinned allocator cannot pin in place, so that kind comes pinned."""
     how = os.environ.get(PIN_ENV, "register")
     if how == "torch":
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     if how not in ("register", "hugepage"):
         raise ValueError(f"{PIN_ENV}={how!r}: expected register (the default), hugepage or torch")
-    t = hugepage_empty(shape, dtype) if how == "hugepage" else torch.empty(shape, dtype=dtype, device="cpu")
+    return hugepage_empty(shape, dtype) if how == "hugepage" else torch.empty(shape, dtype=dtype, device="cpu")
+
+
+def pin_in_place(t: torch.Tensor) -> torch.Tensor:
+    """Page-lock ``t``'s host memory where it is (``cudaHostRegister``, portable and
+    mapped, as ``pinned_empty`` describes) and return it; already pinned: as is."""
     nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
+    if nbytes == 0 or t.is_pinned():
         return t
     cudart = torch.cuda.cudart()
     rc = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, _CUDA_HOST_REGISTER_PORTABLE_MAPPED))
@@ -124,6 +137,13 @@ class HostExpertStore:
         store.pinned = all(t.is_pinned() for t in layers.values())
         store._layers = {lid: layers[lid] for lid in shape.layer_ids}
         return store
+
+    def pin(self) -> None:
+        """Page-lock every layer's memory in place (``pin_in_place``; CUDA): for a store
+        adopted unpinned, pinned once the GPU memory it costs no longer shrinks the pool."""
+        for t in self._layers.values():
+            pin_in_place(t)
+        self.pinned = True
 
     @property
     def nbytes(self) -> int:

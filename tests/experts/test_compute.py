@@ -403,3 +403,58 @@ def test_hugepage_host_memory_is_aligned_exact_and_writable(monkeypatch) -> None
     monkeypatch.setenv(PIN_ENV, "hugepages")
     with pytest.raises(ValueError, match="SGLANG_RIMURU_HOST_PIN='hugepages'"):
         pinned_empty((2,), torch.bfloat16)
+
+
+@pytest.mark.parametrize("pin", ["register", "hugepage"])
+def test_pinnable_host_memory_is_exact_and_unpinned_until_pinned_in_place(pin, monkeypatch) -> None:
+    """Serving makes the host store with ``pinnable_empty`` and pins it only after the
+    pool is sized (``HostExpertStore.pin``, ``RimuruRuntime.build``): until then it is
+    plain (or huge-page) memory of exactly the store's size, adopted as unpinned."""
+    from sglang_rimuru.experts import HostExpertStore
+    from sglang_rimuru.experts.host_store import PIN_ENV, pinnable_empty
+
+    monkeypatch.setenv(PIN_ENV, pin)
+    shape = tiny_shape(E=8, I=16, H=32, k=2)
+    layers = {l: pinnable_empty((8, 3, 16 * 32), torch.bfloat16) for l in shape.layer_ids}
+    for t in layers.values():
+        assert not t.is_pinned() and t.untyped_storage().nbytes() >= 8 * 3 * 16 * 32 * 2
+        if pin == "register":
+            assert t.untyped_storage().nbytes() == 8 * 3 * 16 * 32 * 2
+    store = HostExpertStore.adopt(shape, layers)
+    assert store.pinned is False
+    if torch.cuda.is_available():  # the pin itself needs CUDA (the GPU test below reads through it)
+        store.pin()
+        assert store.pinned and all(t.is_pinned() for t in layers.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_store_pinned_in_place_is_read_in_place(monkeypatch) -> None:
+    """What serving runs: host tensors made unpinned, filled, adopted, pinned in place,
+    then read in place by the paged kernel, equal to the reference."""
+    from sglang_rimuru.experts import ExpertManager, HostExpertStore
+    from sglang_rimuru.experts.host_store import PIN_ENV, pinnable_empty
+    from sglang_rimuru.pool import PoolBuffer
+
+    monkeypatch.setenv(PIN_ENV, "register")
+    g = torch.Generator().manual_seed(12)
+    shape = tiny_shape(E=8, I=16, H=32, k=2)
+    rig = make_rig(shape, limit=3, resident=5, gates="random", fragment=True)
+    layers = {l: pinnable_empty((8, 3, shape.matrix_elems), shape.dtype) for l in shape.layer_ids}
+    host = HostExpertStore.adopt(shape, layers)
+    for l in shape.layer_ids:
+        host.put_fused(l, rig.w13[l], rig.w2[l])
+    host.pin()
+    buf = PoolBuffer(rig.buffer.geometry, "cuda", zero=True)
+    m = ExpertManager(shape, buf, rig.residency, host, rig.buffers, {l: t.to("cuda") for l, t in rig.gates.items()},
+                      "cuda")
+    assert m.host_reads
+    m.upload_resident()
+    m.begin_forward()
+    for layer in shape.layer_ids:
+        x = torch.randn(4, 32, generator=g).to(torch.bfloat16)
+        w, i = route(4, 8, 2, g)
+        out = m.compute(layer, x.cuda(), w.cuda(), i.cuda(), m.table(layer)).cpu().float()
+        ref = sglang_reference(rig, layer, x, w, i).float()
+        assert (out - ref).abs().max().item() <= 0.03 * ref.abs().max().item() + 1e-3
+    m.end_forward()

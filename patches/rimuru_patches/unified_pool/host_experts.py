@@ -12,8 +12,10 @@ peak is what fails: Qwen1.5-MoE-A2.7B is 26.6 GiB with its routed experts
   ``ModelRunner.load_model``; a draft model keeps SGLang's own placement),
   each MoE layer's ``w13_weight`` / ``w2_weight`` are views of one host tensor
   ``[E, 3, inter*hidden]`` in :class:`HostExpertStore`'s layout (W1, W3, W2
-  of an expert adjacent; page-locked on CUDA by ``pinned_empty``, which pins
-  exactly that size). SGLang's weight loaders write
+  of an expert adjacent; on CUDA made by ``pinnable_empty`` and page-locked in
+  place, exactly that size, only after the pool is sized: the GPU's map of
+  23 GiB of pinned pages is GPU memory the pool would otherwise lose). SGLang's
+  weight loaders write
   through the views; ``RimuruRuntime.build`` adopts the tensors (:func:`take`),
   no copy. SGLang's own ``create_weights`` still runs, on the meta device (no
   memory), so every attribute it sets on the parameters is kept.
@@ -41,7 +43,7 @@ import logging
 
 import torch
 
-from sglang_rimuru.experts.host_store import HostExpertStore, pinned_empty
+from sglang_rimuru.experts.host_store import HostExpertStore, pinnable_empty
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +97,8 @@ def wrap_create_weights(orig, ctx):
                  with_bias=with_bias, **extra)
         inter = intermediate_size_per_partition
         size = (num_experts, 3, inter * hidden_size)
-        host = pinned_empty(size, params_dtype) if pin else torch.empty(size, dtype=params_dtype, device="cpu")
+        # page-locked later, in place, once the pool is sized (RimuruRuntime.build)
+        host = pinnable_empty(size, params_dtype) if pin else torch.empty(size, dtype=params_dtype, device="cpu")
         w13, w2 = HostExpertStore.fused_views(host, inter, hidden_size)
         _rehome(layer, "w13_weight", w13)
         _rehome(layer, "w2_weight", w2)
