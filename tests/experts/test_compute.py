@@ -360,9 +360,8 @@ def test_in_place_host_reads_from_registered_host_memory(pin, monkeypatch) -> No
     cudaHostRegister'ed, exactly sized; or 2 MiB-aligned huge-page memory); the
     paged kernel reads offloaded experts at their host addresses through the home
     table, as decode graphs do."""
-    from sglang_rimuru.experts import ExpertManager, HostExpertStore
+    from sglang_rimuru.experts import HostExpertStore
     from sglang_rimuru.experts.host_store import PIN_ENV, pinned_empty
-    from sglang_rimuru.pool import PoolBuffer
 
     monkeypatch.setenv(PIN_ENV, pin)
     t = pinned_empty((5, 3, 7), torch.bfloat16)
@@ -376,6 +375,18 @@ def test_in_place_host_reads_from_registered_host_memory(pin, monkeypatch) -> No
     assert host.pinned
     for l in shape.layer_ids:
         host.put_fused(l, rig.w13[l], rig.w2[l])
+    m = _read_in_place_like_the_reference(rig, host, g)
+    assert m.stats().on_demand_loads == 0  # nothing copied: offloaded experts were read in place
+
+
+def _read_in_place_like_the_reference(rig, host, g):
+    """A CUDA manager over ``host`` (pinned, filled with the rig's experts): every layer
+    computed through its home table (offloaded experts read in place) within the
+    tolerance of SGLang's reference. Returns the manager."""
+    from sglang_rimuru.experts import ExpertManager
+    from sglang_rimuru.pool import PoolBuffer
+
+    shape = rig.shape
     buf = PoolBuffer(rig.buffer.geometry, "cuda", zero=True)
     gates = {l: t.to("cuda") for l, t in rig.gates.items()}
     m = ExpertManager(shape, buf, rig.residency, host, rig.buffers, gates, "cuda")
@@ -383,13 +394,13 @@ def test_in_place_host_reads_from_registered_host_memory(pin, monkeypatch) -> No
     m.upload_resident()
     m.begin_forward()
     for layer in shape.layer_ids:
-        x = torch.randn(4, 32, generator=g).to(torch.bfloat16)
-        w, i = route(4, 8, 2, g)
+        x = torch.randn(4, shape.hidden, generator=g).to(shape.dtype)
+        w, i = route(4, shape.num_experts, shape.top_k, g)
         out = m.compute(layer, x.cuda(), w.cuda(), i.cuda(), m.table(layer)).cpu().float()
         ref = sglang_reference(rig, layer, x, w, i).float()
         assert (out - ref).abs().max().item() <= 0.03 * ref.abs().max().item() + 1e-3
     m.end_forward()
-    assert m.stats().on_demand_loads == 0  # nothing copied: offloaded experts were read in place
+    return m
 
 
 def test_hugepage_host_memory_is_aligned_exact_and_writable(monkeypatch) -> None:
@@ -432,9 +443,8 @@ def test_pinnable_host_memory_is_exact_and_unpinned_until_pinned_in_place(pin, m
 def test_a_store_pinned_in_place_is_read_in_place(monkeypatch) -> None:
     """What serving runs: host tensors made unpinned, filled, adopted, pinned in place,
     then read in place by the paged kernel, equal to the reference."""
-    from sglang_rimuru.experts import ExpertManager, HostExpertStore
+    from sglang_rimuru.experts import HostExpertStore
     from sglang_rimuru.experts.host_store import PIN_ENV, pinnable_empty
-    from sglang_rimuru.pool import PoolBuffer
 
     monkeypatch.setenv(PIN_ENV, "register")
     g = torch.Generator().manual_seed(12)
@@ -445,16 +455,4 @@ def test_a_store_pinned_in_place_is_read_in_place(monkeypatch) -> None:
     for l in shape.layer_ids:
         host.put_fused(l, rig.w13[l], rig.w2[l])
     host.pin()
-    buf = PoolBuffer(rig.buffer.geometry, "cuda", zero=True)
-    m = ExpertManager(shape, buf, rig.residency, host, rig.buffers, {l: t.to("cuda") for l, t in rig.gates.items()},
-                      "cuda")
-    assert m.host_reads
-    m.upload_resident()
-    m.begin_forward()
-    for layer in shape.layer_ids:
-        x = torch.randn(4, 32, generator=g).to(torch.bfloat16)
-        w, i = route(4, 8, 2, g)
-        out = m.compute(layer, x.cuda(), w.cuda(), i.cuda(), m.table(layer)).cpu().float()
-        ref = sglang_reference(rig, layer, x, w, i).float()
-        assert (out - ref).abs().max().item() <= 0.03 * ref.abs().max().item() + 1e-3
-    m.end_forward()
+    assert _read_in_place_like_the_reference(rig, host, g).stats().on_demand_loads == 0
