@@ -631,3 +631,30 @@ def test_a_larger_move_takes_each_layers_coldest_still_in_the_pool():
     # layer 0 at its limit: nothing more from it
     assert adj._leave_candidates(frozenset({(0, 6), (0, 7), (0, 2), (0, 3)})) == probs(
         [(l, e) for l in (1, 2) for e in coldest[l]])
+
+
+def test_bringing_back_the_experts_that_make_prefills_eager_earns_the_share():
+    """6 of 8 resident a layer: layers 0 and 1 have their two coldest out (a token picks
+    them with 0.021-0.084), layer 2 (uniform, 0.25) two as well. With ``replay_max_p``
+    0.09 only layer 2's make the prefills eager: bringing those two back earns the
+    eager-prefill share, so they come back while reads are cheap and the cold ones may
+    stay out. Where every routed expert makes prefills eager (``replay_max_p`` 0, uniform
+    semantics) no partial restore earns it, and with cheap reads nothing comes back."""
+    from sglang_rimuru.adjuster import Load
+    from sglang_rimuru.adjuster.cost import CostModel
+
+    def restores(replay_max_p):
+        rig = make_rig(pages=80)  # 54 pages of experts, 26 free
+        assert [rig.residency.offloaded(l) for l in (0, 1, 2)] == [[7, 6], [1, 0], [6, 7]]
+        assert rig.pool.alloc_kv_runs([4] * 4) is not None  # 4 requests of 4 KV pages: 18 pages free
+        cost = CostModel(expert_ms=0.1, base_ms=1.0, per_request_ms=0.02, eager_prefill_share=0.2,
+                         replay_max_p=replay_max_p)
+        adj = Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking, cost=cost)
+        assert cost.eager(adj.offloaded_token_probabilities())
+        back = adj._restores_that_pay(Load(running=4, admits=1, waiting=40), 18, rig.pool.stats(), ())
+        left = [adj._token_p[l][e] for l in (0, 1, 2) for e in rig.residency.offloaded(l) if (l, e) not in back]
+        return back, cost.eager(left)
+
+    back, still_eager = restores(0.09)
+    assert back[:2] == [(2, 6), (2, 7)] and not still_eager
+    assert restores(0.0) == ([], True)
