@@ -363,9 +363,13 @@ class Adjuster:
     def offloaded_token_probabilities(self) -> list[float]:
         """Per-token routing probabilities of every expert out of the pool, or on its
         way out (in-flight victims)."""
+        return [self._token_p[l][e] for l, e in self._out_keys()]
+
+    def _out_keys(self) -> list[tuple[int, int]]:
+        """(layer, expert) of every expert out of the pool, then those on their way out."""
         res = self.residency
-        out = [self._token_p[l][e] for l in res.shape.layer_ids for e in res.offloaded(l)]
-        out += [self._token_p[m.layer][m.expert] for o in self._in_flight.values() for m in o.evict]
+        out = [(l, e) for l in res.shape.layer_ids for e in res.offloaded(l)]
+        out += [(m.layer, m.expert) for o in self._in_flight.values() for m in o.evict]
         return out
 
     def _pays(self, victims, load: Load, decision: Decision, kv_pages_needed: int, stats) -> bool:
@@ -409,14 +413,8 @@ class Adjuster:
             return True
         if cap is None or cost.eager(offloaded) or not cost.eager([*offloaded, *new]):
             return False
-        return self._leaving_pays(load, cap, batch, kv_per_request, kv_per_expert, len(victims), self._out_now())
-
-    def _out_now(self) -> frozenset[tuple[int, int]]:
-        """(layer, expert) of every expert out of the pool or on its way out."""
-        res = self.residency
-        out = {(l, e) for l in res.shape.layer_ids for e in res.offloaded(l)}
-        out.update((m.layer, m.expert) for o in self._in_flight.values() for m in o.evict)
-        return frozenset(out)
+        return self._leaving_pays(load, cap, batch, kv_per_request, kv_per_expert, len(victims),
+                                  frozenset(self._out_keys()))
 
     def _leave_candidates(self, out: frozenset[tuple[int, int]]) -> list[float]:
         """Probabilities, ascending, of the experts a larger move could still send out
@@ -517,8 +515,8 @@ class Adjuster:
             return []
         cap = kv_used + self.page_pool.kv_capacity_now()
         batch = max(load.running, self._kv_batch(load, cap, kv_per_request))
-        offloaded = self.offloaded_token_probabilities()
-        out = self._out_now()
+        keys = self._out_keys()
+        offloaded, out = [self._token_p[l][e] for l, e in keys], frozenset(keys)
         now = cost.throughput(batch, offloaded)
         for n in range(len(back), 0, -1):
             rest = list(offloaded)
