@@ -21,7 +21,7 @@ import torch
 
 from .shapes import MoEShape
 
-__all__ = ["HostExpertStore", "hugepage_empty", "pin_in_place", "pinnable_empty", "pinned_empty", "PIN_ENV"]
+__all__ = ["HostExpertStore", "hugepage_empty", "pin_in_place", "pin_kind", "pinnable_empty", "pinned_empty", "PIN_ENV"]
 
 #: ``SGLANG_RIMURU_HOST_PIN=torch``: page-lock with torch's pinned allocator instead;
 #: ``=hugepage``: register 2 MiB-aligned memory advised to use transparent huge pages
@@ -47,16 +47,22 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return pin_in_place(pinnable_empty(shape, dtype))
 
 
+def pin_kind() -> str:
+    """The page-locked memory ``PIN_ENV`` asks for: register (the default), hugepage or torch."""
+    how = os.environ.get(PIN_ENV, "register")
+    if how not in ("register", "hugepage", "torch"):
+        raise ValueError(f"{PIN_ENV}={how!r}: expected register (the default), hugepage or torch")
+    return how
+
+
 def pinnable_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Host memory of exactly ``shape`` of the kind ``PIN_ENV`` names, not yet
     page-locked: plain memory or huge pages, for ``pin_in_place`` later (serving
     pins the host store only after the pool is sized: ``RimuruRuntime.build``).
     ``torch``'s pinned allocator cannot pin in place, so that kind comes pinned."""
-    how = os.environ.get(PIN_ENV, "register")
+    how = pin_kind()
     if how == "torch":
         return torch.empty(shape, dtype=dtype, pin_memory=True)
-    if how not in ("register", "hugepage"):
-        raise ValueError(f"{PIN_ENV}={how!r}: expected register (the default), hugepage or torch")
     return hugepage_empty(shape, dtype) if how == "hugepage" else torch.empty(shape, dtype=dtype, device="cpu")
 
 

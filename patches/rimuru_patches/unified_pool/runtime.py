@@ -44,7 +44,7 @@ from sglang_rimuru.experts import (
     reads_in_place,
     replay_max_probability,
 )
-from sglang_rimuru.experts.host_store import PIN_ENV
+from sglang_rimuru.experts.host_store import pin_kind
 from sglang_rimuru.plan import GIB, ModelFacts, PlanError, PoolPlan, plan_pool
 from sglang_rimuru.pool import PoolBuffer, PoolGeometry, UnifiedPagePool
 
@@ -259,7 +259,7 @@ class RimuruRuntime:
             logger.info("sglang-rimuru host store: %.3f GiB page-locked in place after the pool was sized, "
                         "taking %.1f MiB of GPU memory (%s)", host.nbytes / GIB,
                         (free - torch.cuda.mem_get_info(device)[0]) / (1 << 20),
-                        os.environ.get(PIN_ENV, "register"))
+                        pin_kind())
         ranking = (
             load_ranking(config.expert_ranking, shape) if config.expert_ranking else ExpertRanking.default(shape)
         )
