@@ -107,3 +107,31 @@ def test_report_shows_a_stopped_run_by_its_decode_log():
     assert "| off24 | 24 GB | 500/500 | 90.0 | 1000 |" in t
     r = ratios([done, stopped], "off24")
     assert "| static24 | - | - | 1.30x | - |" in r
+
+
+def test_skew_is_independent_of_the_router_logits_scale():
+    """The benchmark's skewed routing standardizes each token's logits before the bias:
+    dummy weights give logits of ~1e-5, and an unstandardized bias of s = 2 sent every
+    token of the Qwen1.5 shape to the same 4 experts (H200). The picks must not depend
+    on the logits' scale, and must still vary with the token."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location(
+        "rimuru_bench_skew", ROOT / "bench" / "serving" / "skew" / "sitecustomize.py")
+    skew = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(skew)  # no RIMURU_BENCH_ROUTER_SKEW here: no hook installed
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4096, 60, generator=g)
+    bias = -1.0 * torch.log1p(torch.arange(60, dtype=torch.float64))
+    picks = skew.skewed_logits(logits, bias).topk(4, dim=-1).indices
+    tiny = skew.skewed_logits(logits * 1e-5, bias).topk(4, dim=-1).indices
+    assert torch.equal(picks, tiny)
+    p = torch.bincount(picks.flatten(), minlength=60).double() / len(logits)
+    # s = 1 on independent N(0, 1) logits (the table in the module's docstring):
+    # rank 0 ~0.85, rank 9 ~0.096, rank 59 ~0.0013
+    assert 0.80 < p[0] < 0.90 and 0.07 < p[9] < 0.13 and p[59] < 0.01
+    assert len(set(map(tuple, picks.tolist()))) > 100  # the picks still vary by token
+    unskewed = skew.skewed_logits(logits * 1e-5, torch.zeros(60, dtype=torch.float64))
+    assert torch.equal(unskewed.topk(4, dim=-1).indices, logits.topk(4, dim=-1).indices)
