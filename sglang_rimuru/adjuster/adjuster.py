@@ -43,7 +43,9 @@ SGLang's overlap scheduler): with ``P`` = pages of in-flight victims,
   * a restore needs pages free NOW (they are reserved at once): at most
     ``F_b // 3`` restores, and none while R_b > 0 (the KV cache is short now)
     unless a cost model prices it ("restore_pays": whole free expert pages
-    the queue's head cannot use yet, never while victims are in flight).
+    the queue's head cannot use yet, never while victims are in flight);
+    with a cost model, while requests run and others wait, the high water's
+    restores are priced the same way (the queue would take their pages).
 
 When do waiting requests get the pages?  Pages of an order's victims become
 allocatable in the first scheduling round that starts after ``complete`` for
@@ -211,8 +213,16 @@ class Adjuster:
             self._n["priced_out"] += 1
             decision, victims = Decision(0, 0, "priced_out"), []
         n_restore = min(decision.restore, max(0, f_b - taken) // ppe) if r_b == 0 else 0
-        restores = (pick_restores(self.residency, self.ranking, n_restore, frozen)
-                    if n_restore else [])
+        if n_restore and self._queue_prices_restores(load):
+            # While requests run and wait, SGLang's queue takes every KV page that comes
+            # free: a restore at the high water is evicted again by the next shortfall
+            # (H200, skewed routing at 20 req/s: five cold experts back at 76 free pages
+            # with 7 waiting, out again 0.3 s later, a dozen times a burst). Price it.
+            restores = self._restores_that_pay(load, max(0, f_b - taken), stats, frozen) if p == 0 else []
+            decision = Decision(0, len(restores), "restore_pays") if restores else Decision(0, 0, "hold")
+        else:
+            restores = (pick_restores(self.residency, self.ranking, n_restore, frozen)
+                        if n_restore else [])
         if not victims and not restores and p == 0 and self.cost is not None and load is not None:
             # the thresholds restore nothing while requests wait; the price may
             restores = self._restores_that_pay(load, max(0, f_b - taken) if r_b == 0 else f_b, stats, frozen)
@@ -483,6 +493,12 @@ class Adjuster:
         if load.running <= 0:
             return 0.0
         return max(0, kv_used - max(0, load.cached)) / load.running
+
+    def _queue_prices_restores(self, load: Load | None) -> bool:
+        """Whether the thresholds' restores go through the price (``_restores_that_pay``):
+        with a cost model, while requests run and others wait (not a decode shortfall)."""
+        return (self.cost is not None and load is not None and not load.urgent
+                and load.running > 0 and load.waiting > 0)
 
     def _restores_that_pay(self, load: Load, free_pages: int, stats, frozen) -> list[tuple[int, int]]:
         """The experts to bring back into ``free_pages`` whole free expert pages (less the

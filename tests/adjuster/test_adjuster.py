@@ -658,3 +658,34 @@ def test_bringing_back_the_experts_that_make_prefills_eager_earns_the_share():
     back, still_eager = restores(0.09)
     assert back[:2] == [(2, 6), (2, 7)] and not still_eager
     assert restores(0.0) == ([], True)
+
+
+def test_while_requests_wait_the_high_water_restores_only_what_pays():
+    """R_b = 0 and 26 whole expert pages free, so the paper's rule restores five: but ten
+    requests run and forty wait, and SGLang's queue takes every page that comes free.
+    On the H200 (skewed routing, 20 req/s) five cold experts came back at 76 free pages
+    with 7 waiting and went out again 0.3 s later, a dozen times a burst. With a cost
+    model the restore is priced: where PCIe is cheap nothing comes back (the KV holds
+    more requests), where it is dear the hot ones do; with nothing waiting the
+    thresholds restore as before (load fell: bring experts back)."""
+    from sglang_rimuru.adjuster import Load
+    from sglang_rimuru.adjuster.cost import CostModel
+
+    def plan(expert_ms, waiting=40, cost=True):
+        rig = make_rig(pages=100)
+        for _ in range(10):  # ten requests of 4 KV pages run, 26 whole expert pages free
+            assert rig.pool.alloc_kv_pages(4) is not None
+        model = CostModel(expert_ms=expert_ms, base_ms=0.1, per_request_ms=0.01) if cost else None
+        adj = Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking, cost=model)
+        return adj, adj.plan_round(0, 0, Load(running=10, admits=1, waiting=waiting))
+
+    adj, order = plan(1e-6)  # cheap PCIe: the pages hold more of the queue
+    assert order is None and adj.stats().decisions["hold"] == 1
+    assert adj.page_pool.free_expert_page_count() == 26
+    adj, order = plan(0.05)  # dear: the hot offloaded experts (layer 2, p = .125) pay
+    assert order.reason == "restore_pays: R_b=0 F_b=26 in_flight_pages=0"
+    assert [(m.layer, m.expert) for m in order.restore][:2] == [(2, 6), (2, 7)]
+    for kwargs in (dict(waiting=0), dict(cost=False)):  # nothing waits / the paper's rule
+        adj, order = plan(1e-6, **kwargs)
+        assert order.reason == "high_water: R_b=0 F_b=26 in_flight_pages=0"
+        assert len(order.restore) == 5
