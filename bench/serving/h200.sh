@@ -16,7 +16,7 @@ SKEW=${SKEW:-0}  # > 0: skewed dummy routers (bench/serving/skew); the run names
 # "rank" measures one (python -m sglang_rimuru.rank, 200 ShareGPT prompts of the
 # anchors' file, the routers skewed as SKEW says) into $OUT/ranking_q15_skewS.json
 # and points RANKING at it for the runs after it in the same call.
-RANKING=${RANKING:-}
+RANKING=${RANKING:-}; [ -n "$RANKING" ] && RANKING=$(realpath "$RANKING")  # the server may start elsewhere
 one() {  # one NAME CARD_GB MODEL -- FLAGS...
     local name=$1 card=$2 model=$3; shift 4
     [ "$SKEW" != 0 ] && name="$name-skew"
