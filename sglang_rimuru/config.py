@@ -149,8 +149,8 @@ class RimuruConfig:
             type=int,
             default=None,
             metavar="N",
-            help="Most experts a MoE layer may have offloaded to host memory; sizes the two load "
-            "buffers. Default: half of the layer's experts.",
+            help="Most experts a MoE layer may have offloaded to host memory; in static mode it also "
+            "sizes the two load buffers (see --rimuru-load-buffer-slots). Default: half of the layer's experts.",
         )
         group.add_argument(
             "--rimuru-resident-experts",

@@ -58,6 +58,11 @@ for run in ${RUNS:-static32 elastic32}; do
     elastic32f) one elastic32f 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-moe-kernel fast ;;
     elastic32cf) one elastic32cf 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-adjuster-policy cost --rimuru-moe-kernel fast ;;
     elastic24cf) one elastic24cf 24 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 24 --rimuru-adjuster-policy cost --rimuru-moe-kernel fast ;;
+    # issue 12's Qwen3-30B-A3B target on one 32 GB card (54 GiB of experts, 9 MiB each, 128 a layer):
+    # SGLang --cpu-offload-gb N (the anchor: N = 32), static with N of 128 resident, elastic
+    q3offload32_*) gb=${run#q3offload32_}; one "$run" 32 q3 -- --cpu-offload-gb "$gb" ;;
+    q3static32r*) n=${run#q3static32r}; one "$run" 32 q3 -- --rimuru-mode static --rimuru-resident-experts "$n" --rimuru-expert-offload-limit $(( 128 - n )) ;;
+    q3elastic32)  one q3elastic32 32 q3 -- --rimuru-mode elastic --rimuru-expert-offload-limit 112 ;;
     # issue 14 (nvidia-h200-x2): Qwen3-30B-A3B at TP=2 on two 24 GB cards (27 GiB of experts per rank)
     tp2off)     one tp2off 24 q3 -- --tp-size 2 --cpu-offload-gb 12 ;;
     tp2static)  one tp2static 24 q3 -- --tp-size 2 --rimuru-mode static --rimuru-resident-experts 80 --rimuru-expert-offload-limit 48 ;;
