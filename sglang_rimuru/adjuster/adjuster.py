@@ -219,7 +219,7 @@ class Adjuster:
             # (H200, skewed routing at 20 req/s: five cold experts back at 76 free pages
             # with 7 waiting, out again 0.3 s later, a dozen times a burst). Price it.
             restores = self._restores_that_pay(load, max(0, f_b - taken), stats, frozen) if p == 0 else []
-            decision = Decision(0, len(restores), "restore_pays") if restores else Decision(0, 0, "hold")
+            decision = Decision(0, len(restores), "restore_pays" if restores else "restore_priced_out")
         else:
             restores = (pick_restores(self.residency, self.ranking, n_restore, frozen)
                         if n_restore else [])

@@ -34,8 +34,10 @@ FLAGS: dict[str, str] = {
 #: ("priced_out": the adjuster dropped an eviction that would not pay for its PCIe
 #: time, see ``cost.py``; "restore_pays": while requests wait, it brought experts
 #: back into free pages because their PCIe time costs more than the requests those
-#: pages would hold; the policy itself returns neither)
-REASONS: tuple[str, ...] = ("kv_short", "low_water", "high_water", "hold", "priced_out", "restore_pays")
+#: pages would hold; "restore_priced_out": the high water asked for restores while
+#: requests ran and waited, and none paid; the policy itself returns none of these)
+REASONS: tuple[str, ...] = ("kv_short", "low_water", "high_water", "hold", "priced_out", "restore_pays",
+                            "restore_priced_out")
 
 
 class Decision(NamedTuple):

@@ -75,7 +75,7 @@ def test_shortfall_evicts_and_pages_free_only_after_complete() -> None:
     assert (s.rounds, s.orders, s.evictions, s.restores, s.completed_orders) == (3, 1, 3, 0, 1)
     assert (s.in_flight_orders, s.in_flight_victim_pages, s.reserved_restore_pages) == (0, 0, 0)
     assert s.decisions == {"kv_short": 1, "low_water": 0, "high_water": 0, "hold": 2, "priced_out": 0,
-                           "restore_pays": 0}
+                           "restore_pays": 0, "restore_priced_out": 0}
 
 
 def test_in_flight_projection_matches_instant_completion() -> None:
@@ -303,7 +303,7 @@ def test_random_rounds_keep_every_invariant() -> None:
     # the sequence exercised what it is meant to
     assert seen["evict"] > 50 and seen["restore"] > 50 and seen["abort"] > 0
     assert seen["max_in_flight"] >= 3 and seen["short"] > 50 and s.unmet_evictions > 0
-    assert all(v > 0 for r, v in s.decisions.items() if r not in ("priced_out", "restore_pays")), s.decisions  # no cost model
+    assert all(v > 0 for r, v in s.decisions.items() if r not in ("priced_out", "restore_pays", "restore_priced_out")), s.decisions  # no cost model
 
 
 # --- a cost model: evictions must pay for their PCIe time (issue 12) -------------------
@@ -680,7 +680,7 @@ def test_while_requests_wait_the_high_water_restores_only_what_pays():
         return adj, adj.plan_round(0, 0, Load(running=10, admits=1, waiting=waiting))
 
     adj, order = plan(1e-6)  # cheap PCIe: the pages hold more of the queue
-    assert order is None and adj.stats().decisions["hold"] == 1
+    assert order is None and adj.stats().decisions["restore_priced_out"] == 1
     assert adj.page_pool.free_expert_page_count() == 26
     adj, order = plan(0.05)  # dear: the hot offloaded experts (layer 2, p = .125) pay
     assert order.reason == "restore_pays: R_b=0 F_b=26 in_flight_pages=0"
