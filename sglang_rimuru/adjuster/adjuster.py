@@ -213,21 +213,20 @@ class Adjuster:
             self._n["priced_out"] += 1
             decision, victims = Decision(0, 0, "priced_out"), []
         n_restore = min(decision.restore, max(0, f_b - taken) // ppe) if r_b == 0 else 0
-        if n_restore and self._queue_prices_restores(load):
-            # While requests run and wait, SGLang's queue takes every KV page that comes
-            # free: a restore at the high water is evicted again by the next shortfall
-            # (H200, skewed routing at 20 req/s: five cold experts back at 76 free pages
-            # with 7 waiting, out again 0.3 s later, a dozen times a burst). Price it.
-            restores = self._restores_that_pay(load, max(0, f_b - taken), stats, frozen) if p == 0 else []
-            decision = Decision(0, len(restores), "restore_pays" if restores else "restore_priced_out")
-        else:
-            restores = (pick_restores(self.residency, self.ranking, n_restore, frozen)
-                        if n_restore else [])
+        # While requests run and wait, SGLang's queue takes every KV page that comes free:
+        # a restore at the high water is evicted again by the next shortfall (H200, skewed
+        # routing at 20 req/s: five cold experts back at 76 free pages with 7 waiting, out
+        # again 0.3 s later, a dozen times a burst). Then only the price below restores.
+        queue_prices = n_restore > 0 and self._queue_prices_restores(load)
+        restores = (pick_restores(self.residency, self.ranking, n_restore, frozen)
+                    if n_restore and not queue_prices else [])
         if not victims and not restores and p == 0 and self.cost is not None and load is not None:
-            # the thresholds restore nothing while requests wait; the price may
+            # the thresholds restore nothing (or are priced) while requests wait; the price may
             restores = self._restores_that_pay(load, max(0, f_b - taken) if r_b == 0 else f_b, stats, frozen)
             if restores:
                 decision = Decision(0, len(restores), "restore_pays")
+        if queue_prices and not restores:
+            decision = Decision(0, 0, "restore_priced_out")
 
         self._n["rounds"] += 1
         self._decisions[decision.reason] += 1
