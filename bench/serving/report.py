@@ -5,7 +5,11 @@
 Prints one markdown table (system, card, completed, duration, output tok/s,
 TTFT and TPOT median / p99, peak running, peak GPU memory against the card,
 the server's peak host RSS, evictions / restores) and, with ``--baseline NAME``, each system's ratios to
-that one (throughput, TTFT median, peak running, TPOT median). ``--plots DIR``
+that system at each run's own rate (throughput, TTFT median, peak running, TPOT
+median; ``NAME_rRATE`` against ``NAME-OF-BASELINE_rRATE``). ``--floor-step-ms
+[MS]`` adds each run's duration against its traffic's floor (``makespan.py``:
+below saturation the arrivals and the longest outputs, not the server, set the
+duration). ``--plots DIR``
 writes PNGs (matplotlib; the H200 image has it): the pool split over time
 (resident experts from the adjuster trace) beside the waiting queue, one per
 elastic run, and output throughput / TTFT median against request rate when
@@ -20,6 +24,8 @@ import json
 import re
 from collections import defaultdict
 from pathlib import Path
+
+from makespan import FASTEST_STEP_MS, LENS, floor_of_run
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -48,18 +54,33 @@ def table(results: list[dict]) -> str:
     return "\n".join([head, *(row(r) for r in results)])
 
 
+RATE_SUFFIX = re.compile(r"_r[0-9.]+$")  # h200.sh names a run at another rate than 10 req/s NAME_rRATE
+
+
+def baseline_for(r: dict, baseline: str) -> str:
+    """The run ``r`` is compared with: the baseline system at ``r``'s own rate (``BASE_rRATE``
+    for ``NAME_rRATE``). Throughput below saturation is the traffic's, so a ratio across
+    rates says nothing about the systems."""
+    m = RATE_SUFFIX.search(r["name"])
+    return baseline + (m.group(0) if m else "")
+
+
 def ratios(results: list[dict], baseline: str) -> str:
-    base = next((r for r in results if r["name"] == baseline), None)
-    if base is None:
-        raise SystemExit(f"no result named {baseline!r}")
-    bb = base["bench"]
+    by_name = {r["name"]: r for r in results}
+    if baseline not in by_name and not any(baseline_for(r, baseline) in by_name for r in results):
+        raise SystemExit(f"no result named {baseline!r} (or {baseline}_rRATE)")
 
     def ratio(a, b):
         return f"{a / b:.2f}x" if b else "-"
 
-    lines = [f"| vs {baseline} | output tok/s | TTFT median | peak running | TPOT median |", "|---|---|---|---|---|"]
+    lines = [f"| vs {baseline} at the same rate | output tok/s | TTFT median | peak running | TPOT median |",
+             "|---|---|---|---|---|"]
     for r in results:
-        b = r["bench"]
+        base = by_name.get(baseline_for(r, baseline))
+        if base is None:
+            lines.append(f"| {r['name']} | no {baseline_for(r, baseline)} | - | - | - |")
+            continue
+        b, bb = r["bench"], base["bench"]
         if "output_throughput" not in b:  # stopped at its budget: no bench_serving summary to compare
             lines.append(f"| {r['name']} | - | - | {ratio(r['log']['peak_running'], base['log']['peak_running'])} | - |")
             continue
@@ -67,6 +88,23 @@ def ratios(results: list[dict], baseline: str) -> str:
                      f"{ratio(b.get('median_ttft_ms', 0), bb.get('median_ttft_ms', 0))} | "
                      f"{ratio(r['log']['peak_running'], base['log']['peak_running'])} | "
                      f"{ratio(b.get('median_tpot_ms', 0), bb.get('median_tpot_ms', 0))} |")
+    return "\n".join(lines)
+
+
+def floors(results: list[dict], step_ms: float, lens: Path) -> str:
+    """Each run's duration beside the traffic's floor (makespan.py): the share of the
+    throughput any server could reach on that traffic that the run reached."""
+    lines = [f"| system | duration s | floor s (decode step {step_ms:g} ms) | set by request (output tokens) | "
+             "output tok/s | ceiling tok/s | of the ceiling |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        f = floor_of_run(r, step_ms, lens)
+        if f is None:
+            lines.append(f"| {r['name']} | {r['bench'].get('duration', 0):.1f} | - (not the lens file's sample) "
+                         "| - | - | - | - |")
+            continue
+        tput = r["bench"]["output_throughput"]
+        lines.append(f"| {r['name']} | {r['bench']['duration']:.1f} | {f.makespan_s:.1f} | #{f.binding} "
+                     f"({f.binding_output}) | {tput:.0f} | {f.ceiling_tok_s:.0f} | {tput / f.ceiling_tok_s:.0%} |")
     return "\n".join(lines)
 
 
@@ -102,7 +140,7 @@ def plots(results: list[dict], out: Path) -> list[Path]:
         made.append(path)
     by_system = defaultdict(list)
     for r in results:
-        by_system[re.sub(r"_r[0-9.]+$", "", r["name"])].append(r)
+        by_system[RATE_SUFFIX.sub("", r["name"])].append(r)
     by_system = {s: rs for s, rs in by_system.items() if len({r["rate"] for r in rs}) > 1}
     if by_system:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -129,12 +167,19 @@ def main() -> None:
     ap.add_argument("results", nargs="+")
     ap.add_argument("--baseline")
     ap.add_argument("--plots")
+    ap.add_argument("--floor-step-ms", type=float, nargs="?", const=FASTEST_STEP_MS,
+                    help=f"add each run's traffic floor (makespan.py) at this fastest decode step "
+                         f"(default {FASTEST_STEP_MS} ms, plain SGLang's at batch 1)")
+    ap.add_argument("--lens", default=str(LENS), help="[prompt_len, output_len] per request, bench order")
     args = ap.parse_args()
     results = load(args.results)
     print(table(results))
     if args.baseline:
         print()
         print(ratios(results, args.baseline))
+    if args.floor_step_ms:
+        print()
+        print(floors(results, args.floor_step_ms, Path(args.lens)))
     if args.plots:
         for p in plots(results, Path(args.plots)):
             print("wrote", p)

@@ -245,6 +245,7 @@ def main() -> None:
     res = {
         "name": args.name, "server_args": server_args, "card_gib": args.card_gb, "router_skew": args.skew,
         "fraction": card_fraction(args.card_gb), "rate": args.rate, "num_prompts": args.num_prompts,
+        "seed": args.seed,
         "ready_s": round(ready_s, 1), "traffic_s": round(traffic_s, 1), "stopped_at_budget": stopped,
         "all_completed": result.get("completed") == args.num_prompts,
         "bench": {k: v for k, v in result.items() if not isinstance(v, list)},

@@ -109,6 +109,76 @@ def test_report_shows_a_stopped_run_by_its_decode_log():
     assert "| static24 | - | - | 1.30x | - |" in r
 
 
+def _serving_module(name: str):
+    sys.path.insert(0, str(ROOT / "bench" / "serving"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_the_floor_replays_bench_servings_own_arrivals(monkeypatch):
+    """makespan.py's arrivals are the intervals SGLang's bench_serving sleeps between
+    requests after seeding numpy, so the floor is of the traffic the H200 runs sent."""
+    import asyncio
+
+    import numpy as np
+    from sglang.benchmark import serving
+
+    slept = []
+
+    async def record(dt):
+        slept.append(dt)
+
+    monkeypatch.setattr(serving.asyncio, "sleep", record)
+
+    async def drain():
+        return [r async for r in serving.get_request(list(range(40)), 10.0)]
+
+    np.random.seed(3)  # bench_serving's main: np.random.seed(args.seed), no draw before the loop
+    assert asyncio.run(drain()) == list(range(40))
+    ours = _serving_module("makespan").arrivals(41, 10.0, 3)
+    assert np.allclose(np.diff(ours), slept, rtol=0, atol=1e-12)
+
+
+def test_the_floor_is_set_by_the_latest_finishing_request():
+    """A request arriving at a asking for o tokens ends no sooner than a + (o - 1) * step;
+    the floor is the latest such end, the ceiling total output over it; a run of another
+    sample (its total output differs from the lens file's) has none."""
+    ms = _serving_module("makespan")
+    arr = ms.arrivals(3, 2.0, 1)
+    f = ms.floor([100, 1001, 5], 2.0, 1, step_ms=10.0)
+    ends = [arr[0] + 0.99, arr[1] + 10.0, arr[2] + 0.04]
+    assert f.makespan_s == pytest.approx(max(ends)) and f.binding == ends.index(max(ends))
+    assert f.total_output == 1106 and f.ceiling_tok_s == pytest.approx(1106 / max(ends))
+    assert f.last_arrival_s == arr[2] and arr[0] == 0.0
+    with pytest.raises(ValueError, match="step_ms"):
+        ms.floor([1], 1.0, 1, step_ms=0)
+
+
+def test_report_compares_each_rate_with_the_baseline_at_that_rate(tmp_path):
+    """Below saturation throughput is the traffic's: NAME_rRATE is compared with the
+    baseline's run at RATE, and the floor table marks a run whose traffic is not the
+    lens file's sample."""
+    report = _serving_module("report")
+    lens = tmp_path / "lens.json"
+    lens.write_text(json.dumps([[5, 100], [5, 1001], [5, 5]]))
+
+    def run(name, rate, tput, total=1106):
+        return {"name": name, "rate": rate, "num_prompts": 3, "log": {"peak_running": 10},
+                "bench": {"output_throughput": tput, "median_ttft_ms": 10.0, "median_tpot_ms": 5.0,
+                          "duration": total / tput, "total_output_tokens": total}}
+
+    rs = [run("off", 10.0, 100.0), run("off_r1", 1.0, 50.0), run("el", 10.0, 130.0), run("el_r1", 1.0, 50.0),
+          run("el_r5", 5.0, 80.0)]
+    r = report.ratios(rs, "off")
+    assert "| el | 1.30x |" in r and "| el_r1 | 1.00x |" in r and "| el_r5 | no off_r5 |" in r
+    fl = report.floors([*rs[:1], run("other", 10.0, 100.0, total=7)], 10.0, lens)
+    ceiling = _serving_module("makespan").floor([100, 1001, 5], 10.0, 1, 10.0).ceiling_tok_s
+    assert f"| 100 | {ceiling:.0f} | {100 / ceiling:.0%} |" in fl
+    assert "| other | 0.1 | - (not the lens file's sample) |" in fl
+
+
 def test_skew_is_independent_of_the_router_logits_scale():
     """The benchmark's skewed routing standardizes each token's logits before the bias:
     dummy weights give logits of ~1e-5, and an unstandardized bias of s = 2 sent every
