@@ -346,6 +346,9 @@ class _Metrics:
         "urgent_orders": "Evictions made to avoid retracting decode requests (cumulative)",
         "refused_orders": "Malformed or out-of-sequence orders refused (cumulative)",
         "priced_out_rounds": "Rounds whose eviction the cost model dropped as not worth its PCIe time (cumulative)",
+        "restore_priced_out_rounds": "Rounds whose high-water restores the cost model held back while requests "
+                                     "waited: the pages hold more requests than the experts' PCIe time costs "
+                                     "(cumulative)",
         "bytes_copied": "Host-to-device expert bytes copied (cumulative)",
         "on_demand_loads": "Offloaded experts loaded after routing: load-buffer misses (cumulative)",
         "prefetch_hits": "Offloaded experts found prefetched (cumulative)",

@@ -113,6 +113,8 @@ class ElasticController:
         #: rounds whose eviction the cost model dropped, and when that was last logged
         self._priced_out = 0
         self._priced_out_logged = float("-inf")
+        #: rounds whose high-water restores the queue's price refused (requests ran and waited)
+        self._restore_priced_out = 0
         if trace_path:
             open(trace_path, "w").close()  # one trace per server run
 
@@ -247,6 +249,7 @@ class ElasticController:
             kv_pages_used=pool.kv_pages_used,
             refused_orders=self._refused,
             priced_out_rounds=self._priced_out,
+            restore_priced_out_rounds=self._restore_priced_out,
             **self._n,
         )
 
@@ -263,6 +266,8 @@ class ElasticController:
         order = self.adjuster.plan_round(round_no, short, load) if load is not None \
             else self.adjuster.plan_round(round_no, short)
         last = self.adjuster.last_round
+        if last is not None and last.decision.reason == "restore_priced_out":
+            self._restore_priced_out += 1  # counted, not logged: it stands every round a queue lasts
         if last is not None and last.decision.reason == "priced_out":
             self._priced_out += 1
             now = time.monotonic()

@@ -158,7 +158,7 @@ def test_demand_evicts_and_pages_free_only_after_the_forward_pass(elastic, caplo
     assert ctl.snapshot() == dict(
         resident_experts=15, offloaded_experts=9, expert_pages=45, other_expert_pages=24,
         kv_split_expert_pages=0, free_expert_pages=15, kv_pages_used=0, refused_orders=0,
-        priced_out_rounds=0, orders_completed=1, orders_aborted=0, evictions=3, restores=0, urgent_orders=0,
+        priced_out_rounds=0, restore_priced_out_rounds=0, orders_completed=1, orders_aborted=0, evictions=3, restores=0, urgent_orders=0,
         refused_acks=0)
 
     # round 1: the refused request is admitted onto the freed pages
@@ -565,6 +565,31 @@ def test_a_priced_out_shortfall_is_counted_and_logged_once_per_interval(elastic,
                      "experts' PCIe time per decode step would cost more than the requests it admits "
                      "(running 4, waiting 5); SGLang queues or retracts instead"]
     assert free_pages(e.pool) == [78, 79, 80, 81, 82, 83]  # nothing moved
+
+
+def test_a_priced_out_restore_is_counted_for_metrics(elastic) -> None:
+    """Experts out, 14 whole free pages, requests running and waiting: with cheap PCIe the
+    pages hold more of the queue than the experts' reads cost, so the high water restores
+    nothing and the round is counted (``sglang_rimuru:restore_priced_out_rounds``); once
+    nothing waits the paper's rule brings experts back."""
+    from sglang_rimuru.adjuster.cost import CostModel
+
+    e = elastic()
+    ctl, pool = e.ctl, e.pool
+    ctl.note_demand(26)
+    assert ctl.round(forward_follows=True, waiting=1) is not None  # 3 out (the paper's rule)
+    ctl.before_forward()
+    ctl.after_forward()
+    ctl.clear_demand()
+    assert pool.alloc_kv_pages(2, "running") is not None  # the running requests' KV
+    assert pool.free_expert_page_count() == 14  # above the high water (9) by one expert
+    ctl.adjuster.cost = CostModel(expert_ms=1e-6, base_ms=0.1, per_request_ms=0.01)
+    for _ in range(2):
+        assert ctl.round(forward_follows=False, waiting=5, running=4) is None
+    assert ctl.snapshot()["restore_priced_out_rounds"] == 2 and ctl.snapshot()["restores"] == 0
+    back = ctl.round(forward_follows=False, waiting=0, running=4)
+    assert back is not None and back.reason.startswith("high_water") and len(back.restore) == 1
+    assert ctl.snapshot()["restore_priced_out_rounds"] == 2
 
 
 # ---------------------------------------------------------------- the radix cache gives way

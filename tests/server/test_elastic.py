@@ -134,6 +134,7 @@ def test_where_pcie_costs_more_than_requests_gain_nothing_is_evicted(tmp_path, m
     assert "eviction priced out" in log
     priced = [ln for ln in metrics.splitlines() if ln.startswith("sglang_rimuru:priced_out_rounds{")]
     assert priced and float(priced[0].split()[-1]) >= 1
+    assert any(ln.startswith("sglang_rimuru:restore_priced_out_rounds{") for ln in metrics.splitlines())
 
 
 def test_elastic_tp2_ranks_hold_the_same_experts_after_every_round(tmp_path, model_dir):
