@@ -108,7 +108,7 @@ def floors(results: list[dict], step_ms: float, lens: Path) -> str:
     return "\n".join(lines)
 
 
-def plots(results: list[dict], out: Path) -> list[Path]:
+def plots(results: list[dict], out: Path, step_ms: float | None = None, lens: Path = LENS) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,6 +149,15 @@ def plots(results: list[dict], out: Path) -> list[Path]:
             rates = [r["rate"] for r in rs]
             a1.plot(rates, [r["bench"].get("output_throughput", 0) for r in rs], marker="o", label=system)
             a2.plot(rates, [r["bench"].get("median_ttft_ms", 0) / 1e3 for r in rs], marker="o", label=system)
+        if step_ms:  # what any server could reach on each rate's traffic (makespan.py)
+            ceil = {}
+            for r in results:
+                f = floor_of_run(r, step_ms, lens)
+                if f is not None:
+                    ceil[r["rate"]] = f.ceiling_tok_s
+            if ceil:
+                a1.plot(sorted(ceil), [ceil[k] for k in sorted(ceil)], color="grey", linestyle="--",
+                        marker="x", label=f"the traffic's ceiling (step {step_ms:g} ms)")
         a1.set_xlabel("request rate (req/s)")
         a1.set_ylabel("output tok/s")
         a2.set_xlabel("request rate (req/s)")
@@ -181,7 +190,7 @@ def main() -> None:
         print()
         print(floors(results, args.floor_step_ms, Path(args.lens)))
     if args.plots:
-        for p in plots(results, Path(args.plots)):
+        for p in plots(results, Path(args.plots), args.floor_step_ms, Path(args.lens)):
             print("wrote", p)
 
 
