@@ -13,8 +13,9 @@ SKEW=${SKEW:-0}  # > 0: skewed dummy routers (bench/serving/skew); the run names
 # A rate other than the anchors' 10 req/s tags the name NAME_rRATE (report.py's rate plots;
 # the device tool returns no file whose name holds '@').
 # RANKING=FILE: pool-mode runs rank experts by it (--rimuru-expert-ranking); the run
-# "rank" measures one (python -m sglang_rimuru.rank, 200 ShareGPT prompts of the
-# anchors' file, the routers skewed as SKEW says) into $OUT/ranking_q15_skewS.json
+# "rank" ("q3rank": the Qwen3-30B-A3B shape) measures one (python -m sglang_rimuru.rank,
+# 200 ShareGPT prompts of the anchors' file, the routers skewed as SKEW says) into
+# $OUT/ranking_q15_skewS.json (ranking_q3_skewS.json)
 # and points RANKING at it for the runs after it in the same call.
 RANKING=${RANKING:-}; [ -n "$RANKING" ] && RANKING=$(realpath "$RANKING")  # the server may start elsewhere
 one() {  # one NAME CARD_GB MODEL -- FLAGS...
@@ -31,23 +32,26 @@ one() {  # one NAME CARD_GB MODEL -- FLAGS...
 # (+ the adjuster; offloaded experts copied into load buffers before use, which
 # reads routing on the host, so no CUDA graphs), elastic32 (+ the paged kernel
 # reading offloaded experts in place from host pages, what lets decode run graphed).
-rank() {  # the measured ranking of the Qwen1.5 shape under this SKEW
-    local out="$OUT/ranking_q15_skew$SKEW.json"
+rank() {  # rank MODEL: the measured ranking of that shape (q15 or q3) under this SKEW
+    local model=$1 out="$OUT/ranking_$1_skew$SKEW.json" fraction=0.2019
+    # routing does not depend on the budget: Qwen3-30B-A3B's 57 GiB need a larger one in mode off
+    [ "$model" = q3 ] && fraction=0.6
     python3 - > /tmp/rank_prompts.json <<'PY'
 import gzip, json
 convs = json.load(gzip.open(".devdata/sharegpt_1000_seed1_ctx8192.json.gz"))
 print(json.dumps([c["conversations"][0]["value"] for c in convs[:200]]))
 PY
     PYTHONPATH="$PWD/bench/serving/skew:$PYTHONPATH" RIMURU_BENCH_ROUTER_SKEW=$SKEW RIMURU_BENCH_DEVICE_SITE=1 \
-        timeout 400 python3 -m sglang_rimuru.rank --model-path /tmp/models/q15 --out "$out" \
-        --prompts /tmp/rank_prompts.json --concurrency 32 -- --load-format dummy --mem-fraction-static 0.2019 \
+        timeout 400 python3 -m sglang_rimuru.rank --model-path /tmp/models/$model --out "$out" \
+        --prompts /tmp/rank_prompts.json --concurrency 32 -- --load-format dummy --mem-fraction-static $fraction \
         --chunked-prefill-size 2048 --attention-backend triton --sampling-backend pytorch --grammar-backend none \
         2>&1 | grep -av "Warning\|warn(" | tail -4
     [ -s "$out" ] && RANKING=$out && echo "RANKING=$RANKING"
 }
 for run in ${RUNS:-static32 elastic32}; do
     case $run in
-    rank) rank ;;
+    rank) rank q15 ;;
+    q3rank) rank q3 ;;  # the Qwen3-30B-A3B shape's: only q3 runs may follow it in the call
     static32r*) n=${run#static32r}; one "$run" 32 q15 -- --rimuru-mode static --rimuru-resident-experts "$n" --rimuru-expert-offload-limit $(( 60 - n )) ;;
     static24r*) n=${run#static24r}; one "$run" 24 q15 -- --rimuru-mode static --rimuru-resident-experts "$n" --rimuru-expert-offload-limit $(( 60 - n )) ;;
     elastic32l*) n=${run#elastic32l}; one "$run" 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit "$n" ;;
