@@ -9,8 +9,8 @@ server, where ``step`` is the fastest decode step any system reaches (one token
 per step per request; prefill and the first token are left out, so this is a
 lower bound). Below saturation that bound, not the server, decides the ratio
 of two systems' throughputs: on the anchors' traffic at 10 req/s request 498
-(6,260 output tokens) arrives at 51.1 s, so no server finishes before
-51.1 s + 6,259 x 3.75 ms = 74.6 s, and none can serve more than 1.16x a server
+(6,260 output tokens) arrives at 51.06 s, so no server finishes before
+51.06 s + 6,259 x 3.75 ms = 74.5 s, and none can serve more than 1.16x a server
 that takes 86.3 s.
 
 The arrivals are bench_serving's own (SGLang 0.5.17 ``benchmark/serving.py``:

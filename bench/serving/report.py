@@ -67,7 +67,7 @@ def baseline_for(r: dict, baseline: str) -> str:
 
 def ratios(results: list[dict], baseline: str) -> str:
     by_name = {r["name"]: r for r in results}
-    if baseline not in by_name and not any(baseline_for(r, baseline) in by_name for r in results):
+    if not any(baseline_for(r, baseline) in by_name for r in results):  # the baseline's own run maps to it
         raise SystemExit(f"no result named {baseline!r} (or {baseline}_rRATE)")
 
     def ratio(a, b):
@@ -97,6 +97,9 @@ def floors(results: list[dict], step_ms: float, lens: Path) -> str:
     lines = [f"| system | duration s | floor s (decode step {step_ms:g} ms) | set by request (output tokens) | "
              "output tok/s | ceiling tok/s | of the ceiling |", "|---|---|---|---|---|---|---|"]
     for r in results:
+        if "output_throughput" not in r["bench"]:  # stopped at its budget: no duration to set beside it
+            lines.append(f"| {r['name']} | - | - (no bench_serving summary) | - | - | - | - |")
+            continue
         f = floor_of_run(r, step_ms, lens)
         if f is None:
             lines.append(f"| {r['name']} | {r['bench'].get('duration', 0):.1f} | - (not the lens file's sample) "
@@ -181,6 +184,8 @@ def main() -> None:
                          f"(default {FASTEST_STEP_MS} ms, plain SGLang's at batch 1)")
     ap.add_argument("--lens", default=str(LENS), help="[prompt_len, output_len] per request, bench order")
     args = ap.parse_args()
+    if args.floor_step_ms and not Path(args.lens).exists():  # else every run would read as another sample
+        raise SystemExit(f"--floor-step-ms needs the lens file: {args.lens} does not exist (--lens FILE)")
     results = load(args.results)
     print(table(results))
     if args.baseline:

@@ -266,9 +266,10 @@ class ElasticController:
         order = self.adjuster.plan_round(round_no, short, load) if load is not None \
             else self.adjuster.plan_round(round_no, short)
         last = self.adjuster.last_round
-        if last is not None and last.decision.reason == "restore_priced_out":
+        reason = None if last is None else last.decision.reason
+        if reason == "restore_priced_out":
             self._restore_priced_out += 1  # counted, not logged: it stands every round a queue lasts
-        if last is not None and last.decision.reason == "priced_out":
+        if reason == "priced_out":
             self._priced_out += 1
             now = time.monotonic()
             if now - self._priced_out_logged >= self.PRICED_OUT_LOG_S:  # a shortfall repeats every round

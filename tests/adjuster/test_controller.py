@@ -158,8 +158,8 @@ def test_demand_evicts_and_pages_free_only_after_the_forward_pass(elastic, caplo
     assert ctl.snapshot() == dict(
         resident_experts=15, offloaded_experts=9, expert_pages=45, other_expert_pages=24,
         kv_split_expert_pages=0, free_expert_pages=15, kv_pages_used=0, refused_orders=0,
-        priced_out_rounds=0, restore_priced_out_rounds=0, orders_completed=1, orders_aborted=0, evictions=3, restores=0, urgent_orders=0,
-        refused_acks=0)
+        priced_out_rounds=0, restore_priced_out_rounds=0, orders_completed=1, orders_aborted=0, evictions=3,
+        restores=0, urgent_orders=0, refused_acks=0)
 
     # round 1: the refused request is admitted onto the freed pages
     kv = pool.alloc_kv_pages(26, "waiting")

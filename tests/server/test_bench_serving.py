@@ -177,6 +177,8 @@ def test_report_compares_each_rate_with_the_baseline_at_that_rate(tmp_path):
     ceiling = _serving_module("makespan").floor([100, 1001, 5], 10.0, 1, 10.0).ceiling_tok_s
     assert f"| 100 | {ceiling:.0f} | {100 / ceiling:.0%} |" in fl
     assert "| other | 0.1 | - (not the lens file's sample) |" in fl
+    stopped = {**run("static", 10.0, 1.0), "bench": {}}  # stopped at its budget: no summary
+    assert "| static | - | - (no bench_serving summary) |" in report.floors([stopped], 10.0, lens)
 
 
 def test_skew_is_independent_of_the_router_logits_scale():
