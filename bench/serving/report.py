@@ -81,8 +81,13 @@ def ratios(results: list[dict], baseline: str) -> str:
             lines.append(f"| {r['name']} | no {baseline_for(r, baseline)} | - | - | - |")
             continue
         b, bb = r["bench"], base["bench"]
-        if "output_throughput" not in b:  # stopped at its budget: no bench_serving summary to compare
-            lines.append(f"| {r['name']} | - | - | {ratio(r['log']['peak_running'], base['log']['peak_running'])} | - |")
+        if "output_throughput" not in b or "output_throughput" not in bb:
+            # one side stopped at its budget: no bench_serving summary, so both sides' own
+            # decode-log rates (SGLang's, steady decode only: kinder to the slower side)
+            a, z = r["log"].get("gen_tok_s_mean"), base["log"].get("gen_tok_s_mean")
+            tput = f"~{ratio(a, z)} (decode log)" if a and z else "-"
+            lines.append(f"| {r['name']} | {tput} | - | "
+                         f"{ratio(r['log']['peak_running'], base['log']['peak_running'])} | - |")
             continue
         lines.append(f"| {r['name']} | {ratio(b.get('output_throughput', 0), bb.get('output_throughput', 0))} | "
                      f"{ratio(b.get('median_ttft_ms', 0), bb.get('median_ttft_ms', 0))} | "

@@ -136,8 +136,11 @@ def log_stats(log: str) -> dict:
     # budget still says (bench_serving's summary is lost then)
     # Each line covers decode_log_interval steps of its #running-req requests:
     # weighted by time (tokens / rate), not by line (fast intervals log more often).
+    # The first line is dropped: SGLang times it from the scheduler's start, so its rate
+    # counts the warmup and the idle wait for traffic (offload24-skew at 7f20a2d: 1 tok/s
+    # for one request, which pulled a ~90 tok/s run's mean to 64.5).
     gen = [(int(r), float(g)) for r, g in re.findall(
-        r"Decode batch, #running-req: (\d+),.*?gen throughput \(token/s\): ([0-9.]+)", log) if float(g) > 0]
+        r"Decode batch, #running-req: (\d+),.*?gen throughput \(token/s\): ([0-9.]+)", log)[1:] if float(g) > 0]
     gen_s = sum(r / g for r, g in gen)
     interval = re.search(r"decode_log_interval=(\d+)", log)
     return {

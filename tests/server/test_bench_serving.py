@@ -66,7 +66,8 @@ def test_run_one_and_report_on_cpu(tmp_path, model_dir):
 
 def test_log_stats_weighs_decode_throughput_by_time():
     """A run stopped at its budget keeps SGLang's own decode rate: per log line, the
-    tokens of its running requests over the rate (a slow interval counts for longer)."""
+    tokens of its running requests over the rate (a slow interval counts for longer),
+    without the first line, which SGLang times from the scheduler's start."""
     sys.path.insert(0, str(ROOT / "bench" / "serving"))
     try:
         from run_one import log_stats
@@ -74,6 +75,8 @@ def test_log_stats_weighs_decode_throughput_by_time():
         sys.path.pop(0)
     log = "\n".join([
         "[t] server_args=ServerArgs(decode_log_interval=40, ...)",
+        "[t] Decode batch, #running-req: 1, #token: 0, token usage: 0.0, cuda graph: True, "
+        "gen throughput (token/s): 1.00, #queue-req: 0",  # timed from the scheduler's start: dropped
         "[t] Decode batch, #running-req: 10, #token: 100, token usage: 0.1, cuda graph: True, "
         "gen throughput (token/s): 1000.00, #queue-req: 0",
         "[t] Decode batch, #running-req: 40, #token: 400, token usage: 0.4, cuda graph: True, "
@@ -84,13 +87,14 @@ def test_log_stats_weighs_decode_throughput_by_time():
     s = log_stats(log)
     # 10 + 40 tokens a step over 10/1000 + 40/100 s a step
     assert s["gen_tok_s_mean"] == round(50 / (0.01 + 0.4), 1) and s["gen_tok_s_lines"] == 2
-    assert s["peak_running"] == 40 and s["peak_queued"] == 3 and s["decode_steps_est"] == 120
+    assert s["peak_running"] == 40 and s["peak_queued"] == 3 and s["decode_steps_est"] == 160
     assert log_stats("")["gen_tok_s_mean"] is None
 
 
 def test_report_shows_a_stopped_run_by_its_decode_log():
     """A run stopped at its budget has no bench_serving summary: its row gives SGLang's
-    decode-log rate, marked so, and its ratios are '-' (not 0.00x, as if it served nothing)."""
+    decode-log rate, marked so, and its throughput ratio sets decode-log rates side by side
+    ('-' without them; never 0.00x, as if it served nothing)."""
     sys.path.insert(0, str(ROOT / "bench" / "serving"))
     try:
         from report import ratios, table
@@ -106,7 +110,12 @@ def test_report_shows_a_stopped_run_by_its_decode_log():
     assert "| static24 | 24 GB | 0/500 (stopped) | 0.0 | ~88 (decode log) |" in t
     assert "| off24 | 24 GB | 500/500 | 90.0 | 1000 |" in t
     r = ratios([done, stopped], "off24")
-    assert "| static24 | - | - | 1.30x | - |" in r
+    assert "| static24 | - | - | 1.30x | - |" in r  # the completed run's log gave no rate
+    # against a stopped baseline, both sides by their decode logs
+    done["log"]["gen_tok_s_mean"] = 876.0
+    r = ratios([done, stopped], "static24")
+    assert "| off24 | ~10.00x (decode log) | - | 0.77x | - |" in r
+    assert "| static24 | ~1.00x (decode log) | - | 1.00x | - |" in r
 
 
 def _serving_module(name: str):
