@@ -150,7 +150,9 @@ class RimuruConfig:
             default=None,
             metavar="N",
             help="Most experts a MoE layer may have offloaded to host memory; in static mode it also "
-            "sizes the two load buffers (see --rimuru-load-buffer-slots). Default: half of the layer's experts.",
+            "sizes the two load buffers (see --rimuru-load-buffer-slots). Default: static, and elastic with "
+            "--rimuru-adjuster-policy paper: half of the layer's experts; elastic with the cost policy: all but "
+            "one (each eviction must price as paying).",
         )
         group.add_argument(
             "--rimuru-resident-experts",

@@ -261,6 +261,23 @@ class PoolPlan:
         return max(least, min(most, (free_expert_pages - keep_free_pages) // 3))
 
 
+def default_offload_limit(config: RimuruConfig, experts: int) -> int:
+    """``--rimuru-expert-offload-limit`` when not given.
+
+    Static: half the experts (it fixes the split and sizes the load buffers).
+    Elastic under the cost policy: all but one. There the limit only bounds the
+    adjuster, whose every eviction must price as paying (``adjuster/cost.py``), and
+    the host store holds every expert anyway; a lower limit stopped evictions that
+    still paid (elastic24 on the H200, bench/RESULTS.md) and made a model whose
+    experts outgrow the card (Qwen3-30B-A3B on 32 GB: 64 of 128 resident is 27 GiB)
+    a start-up error unless the user found the flag. The paper's fixed thresholds
+    price nothing: under them, half.
+    """
+    if config.mode == "elastic" and config.adjuster_policy_name == "cost":
+        return experts - 1
+    return experts // 2
+
+
 def plan_pool(
     facts: ModelFacts,
     config: RimuruConfig,
@@ -274,7 +291,8 @@ def plan_pool(
 ) -> PoolPlan:
     """Check the flags against the model and size one TP rank's pool."""
     experts = facts.num_experts
-    limit = experts // 2 if config.expert_offload_limit is None else config.expert_offload_limit
+    limit = default_offload_limit(config, experts) if config.expert_offload_limit is None \
+        else config.expert_offload_limit
     if limit > experts:
         raise PlanError(
             f"--rimuru-expert-offload-limit {limit} is above the {experts} routed experts of each MoE layer"

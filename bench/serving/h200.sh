@@ -82,6 +82,9 @@ for run in ${RUNS:-static32 elastic32}; do
     elastic32p) one elastic32p 32 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 20 --rimuru-adjuster-policy paper --rimuru-load-buffer-slots 20 ;;  # elastic32 of 2026-12-01
     static24)   one static24 24 q15 -- --rimuru-mode static --rimuru-resident-experts 36 --rimuru-expert-offload-limit 24 ;;
     elastic24)  one elastic24 24 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 24 ;;
+    # elastic with no limit flag: the default (all but one a layer under the cost policy)
+    elastic24d) one elastic24d 24 q15 -- --rimuru-mode elastic ;;
+    q3elastic32d) one q3elastic32d 32 q3 -- --rimuru-mode elastic ;;
     elastic24p) one elastic24p 24 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 24 --rimuru-adjuster-policy paper --rimuru-load-buffer-slots 24 ;;
     offload24)  one offload24 24 q15 -- --cpu-offload-gb 8 ;;
     *) echo "unknown run $run" ;;

@@ -190,9 +190,10 @@ def test_fewer_load_buffer_slots_leave_more_of_the_pool_for_kv():
     assert (full.buffer_slots, small.buffer_slots) == (20, 4)
     assert full.min_pool_bytes - small.min_pool_bytes == 2 * 16 * 3 * 5_767_168  # 96 pages, 528 MiB
     assert small.min_pool_bytes == (1 + 2 * 4 * 3 + 24 * 40 * 3 + -(-8192 // 28)) * 5_767_168
-    # the default limit is half the experts (30); the plan checks what the flags could not
+    # the paper policy's default limit is half the experts (30); the plan checks what the flags could not
     with pytest.raises(PlanError, match=r"--rimuru-load-buffer-slots 31 is above the offload limit 30"):
-        plan_pool(ModelFacts.from_config(QWEN15), RimuruConfig(mode="elastic", load_buffer_slots=31))
+        plan_pool(ModelFacts.from_config(QWEN15), RimuruConfig(mode="elastic", load_buffer_slots=31,
+                                                               adjuster_policy_name="paper"))
 
 
 def test_elastic_buffers_hold_what_is_offloaded_at_start():
@@ -215,3 +216,46 @@ def test_elastic_buffers_hold_what_is_offloaded_at_start():
     fixed = plan_pool(ModelFacts.from_config(QWEN15),
                       RimuruConfig(mode="elastic", resident_experts=50, expert_offload_limit=20))
     assert fixed.start_buffer_slots(4553, 2) == 10
+
+
+# --- the default offload limit ------------------------------------------------------
+
+#: the Qwen3-30B-A3B shape (python -m sglang_rimuru.models write qwen3-30b-a3b)
+QWEN3_30B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "max_position_embeddings": 40960,
+}
+#: the pool SGLang left on the H200 emulating a 32 GB card for that shape
+#: (bench/results/serving_h200_2026-12-02e/q3elastic32-skew_7f20a2d.log.gz: 25.122 GiB)
+CARD_32GB_POOL_Q3 = int(25.122 * GIB)
+
+
+def test_the_default_offload_limit_is_all_but_one_under_the_cost_policy_only():
+    facts = ModelFacts.from_config(QWEN15)
+    assert plan_pool(facts, RimuruConfig(mode="elastic")).offload_limit == 59
+    assert plan_pool(facts, RimuruConfig(mode="elastic")).min_resident_per_layer == 1
+    assert plan_pool(facts, RimuruConfig(mode="elastic", adjuster_policy_name="paper")).offload_limit == 30
+    assert plan_pool(facts, STATIC).offload_limit == 30
+    assert plan_pool(facts, RimuruConfig(mode="elastic", expert_offload_limit=20)).offload_limit == 20
+
+
+def test_elastic_starts_a_model_whose_experts_outgrow_the_card_without_the_flag():
+    """Qwen3-30B-A3B holds 54 GiB of experts; on a 32 GB card half of them resident
+    (27 GiB) leave no pool for a request, which the old default (half) made a start-up
+    error unless the user found --rimuru-expert-offload-limit."""
+    facts = ModelFacts.from_config(QWEN3_30B)
+    half = plan_pool(facts, RimuruConfig(mode="elastic", expert_offload_limit=64))
+    with pytest.raises(PlanError, match=r"cannot hold 64 resident experts x 48 layers .*"
+                                        r"--rimuru-expert-offload-limit 64 allows"):
+        half.check_pool_bytes(CARD_32GB_POOL_Q3, flag="--mem-fraction-static")
+    plan = plan_pool(facts, RimuruConfig(mode="elastic"))
+    assert plan.offload_limit == 127
+    assert plan.check_pool_bytes(CARD_32GB_POOL_Q3, flag="--mem-fraction-static") == plan.request_tokens

@@ -84,6 +84,7 @@ def test_pool_modes_at_real_geometry_keep_kv_ids_in_bounds(tmp_path, model_dir, 
         log = elastic.log()
         started = re.search(r"sglang-rimuru elastic pool: .*?; (\d+) resident experts \(([\d-]+) of 8 per layer", log)
         assert started and int(started.group(1)) == at_start, log[-3000:]
+        assert "in host memory, at most 4 a layer out of the pool (--rimuru-expert-offload-limit)" in log
         assert workload(elastic) == expected
         lines = read_trace(trace)
         assert any(line["evicted"] for line in lines), lines[-3:]

@@ -303,7 +303,8 @@ class RimuruRuntime:
         logger.info(
             "sglang-rimuru %s pool: %.3f GiB in %d expert pages of %d B; %d resident experts "
             "(%s of %d per layer x %d layers), load buffers 2 x %d, KV now %d tokens, at most %d; "
-            "%d experts (%.3f GiB) in host memory; ranking: %s; MoE kernel: %s",
+            "%d experts (%.3f GiB) in host memory, at most %d a layer out of the pool "
+            "(--rimuru-expert-offload-limit); ranking: %s; MoE kernel: %s",
             config.mode,
             geometry.pool_bytes / GIB,
             geometry.num_expert_pages,
@@ -317,6 +318,7 @@ class RimuruRuntime:
             runtime.kv_capacity_tokens,
             len(shape.layer_ids) * shape.num_experts,
             host.nbytes / GIB,
+            plan.offload_limit,
             config.expert_ranking or "expert index order",
             kernel,
         )
