@@ -252,7 +252,8 @@ class RimuruConfig:
             default=None,
             metavar="PATH",
             help="elastic: append one JSON line per scheduling round in which the split changed "
-            "(PATH gets a .tpN suffix per TP rank above 0).",
+            "(PATH gets a .tpN suffix per TP rank above 0); under the cost policy the decode steps it "
+            "timed go beside it (PATH less .jsonl, plus .steps.jsonl).",
         )
 
     @classmethod

@@ -33,18 +33,20 @@ def _batch(kind: str, size: int):
 def timing(monkeypatch):
     st = elastic._StepTiming
     for name, value in (("clock", None), ("last", None), ("before_last", False), ("reads_key", None),
-                        ("reads", 0.0), ("rounds", 0)):
+                        ("reads", 0.0), ("rounds", 0), ("pending", None)):
         monkeypatch.setattr(st, name, value)
     adjuster = SimpleNamespace(cost=CostModel(expert_ms=0.3, base_ms=5.9, per_request_ms=0.17), last_seq=0,
                                in_flight=(), offloaded_token_probabilities=lambda: [])
-    ctl = SimpleNamespace(adjuster=adjuster)
+    ctl = SimpleNamespace(adjuster=adjuster, trace_path=None)
+    scheduler = SimpleNamespace(tp_group=SimpleNamespace(world_size=1))
     now = [0.0]
     monkeypatch.setattr(elastic.time, "monotonic", lambda: now[0])
 
-    def run(rounds):
+    def run(rounds, trace_path=None):
         """``rounds``: (kind, batch size, seconds the round's interval lasts)."""
+        ctl.trace_path = trace_path
         for kind, size, secs in rounds:
-            st.round(None, ctl, _batch(kind, size))
+            st.round(scheduler, ctl, _batch(kind, size))
             now[0] += secs
         return st.clock.samples()
 
@@ -69,3 +71,37 @@ def test_only_decode_intervals_after_a_decode_round_are_steps(timing):
     ])
     assert [(b, round(ms, 6), r) for b, ms, r in samples] == [(4, 10.0, 0.0), (5, 11.0, 0.0), (6, 12.0, 0.0),
                                                               (2, 8.0, 0.0)]
+
+
+def test_with_a_trace_every_timed_step_is_written_for_the_cost_check(timing, tmp_path, monkeypatch):
+    """The per-step record beside the adjuster trace: the steps the clock timed (and
+    only those), one JSON line per REFIT_ROUNDS rounds; what a stopped server had not
+    dumped yet is lost, never a partial line."""
+    import json
+
+    monkeypatch.setattr(elastic._StepTiming, "REFIT_ROUNDS", 4)
+    trace = tmp_path / "elastic_trace.jsonl"
+    steps = tmp_path / "elastic_trace.steps.jsonl"
+    assert elastic._StepTiming.steps_path(str(trace)) == str(steps)
+    steps.write_text("an older run's record\n")  # one record per server run
+    timing([
+        ("prefill", 4, 0.2),
+        ("decode", 4, 0.15),   # after a prefill: not a step
+        ("decode", 4, 0.01),   # round 3: 10 ms at batch 4
+        ("decode", 5, 0.011),  # round 4 ends the first dump: 11 ms at 5 is timed in round 5
+        ("decode", 5, 0.012),
+        ("decode", 5, 0.0),
+        ("decode", 5, 0.0),
+        ("decode", 5, 0.0),    # round 8: the second dump
+        ("decode", 5, 0.0),    # timed, not dumped (the server stops before round 12)
+    ], trace_path=str(trace))
+    lines = [json.loads(x) for x in steps.read_text().splitlines()]
+    assert [line["steps"] for line in lines] == [
+        [[4, 10.0, 0.0]],
+        [[5, 11.0, 0.0], [5, 12.0, 0.0], [5, 0.0, 0.0], [5, 0.0, 0.0]],
+    ]
+
+
+def test_without_a_trace_no_step_record_is_kept(timing, tmp_path):
+    timing([("decode", 3, 0.01)] * 5)
+    assert elastic._StepTiming.pending is None and not list(tmp_path.iterdir())

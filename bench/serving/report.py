@@ -116,6 +116,20 @@ def floors(results: list[dict], step_ms: float, lens: Path) -> str:
     return "\n".join(lines)
 
 
+def steps(results: list[dict]) -> str:
+    """The decode steps each elastic run timed (run_one's ``steps``), by batch, beside what
+    the cost model of its last order prices them at (base + per request x batch + per read
+    x expected offloaded reads): where they part, the price of one more request is off."""
+    lines = ["| system | batch | steps | median ms | model ms (last fit) | mean expected reads |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        cost = (r.get("trace") or {}).get("cost_ms")
+        for lo, hi, n, ms, b, reads in r.get("steps") or []:
+            model = f"{cost['base'] + cost['per_request'] * b + cost['expert'] * reads:.2f}" if cost else "-"
+            lines.append(f"| {r['name']} | {lo}-{hi} | {n} | {ms:.2f} | {model} | {reads:.1f} |")
+    return "\n".join(lines) if len(lines) > 2 else "(no run has a per-step record)"
+
+
 def plots(results: list[dict], out: Path, step_ms: float | None = None, lens: Path = LENS) -> list[Path]:
     import matplotlib
 
@@ -188,6 +202,8 @@ def main() -> None:
                     help=f"add each run's traffic floor (makespan.py) at this fastest decode step "
                          f"(default {FASTEST_STEP_MS} ms, plain SGLang's at batch 1)")
     ap.add_argument("--lens", default=str(LENS), help="[prompt_len, output_len] per request, bench order")
+    ap.add_argument("--steps", action="store_true",
+                    help="the decode steps elastic runs timed, by batch, beside their cost model's price")
     args = ap.parse_args()
     if args.floor_step_ms and not Path(args.lens).exists():  # else every run would read as another sample
         raise SystemExit(f"--floor-step-ms needs the lens file: {args.lens} does not exist (--lens FILE)")
@@ -199,6 +215,9 @@ def main() -> None:
     if args.floor_step_ms:
         print()
         print(floors(results, args.floor_step_ms, Path(args.lens)))
+    if args.steps:
+        print()
+        print(steps(results))
     if args.plots:
         for p in plots(results, Path(args.plots), args.floor_step_ms, Path(args.lens)):
             print("wrote", p)

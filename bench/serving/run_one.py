@@ -39,6 +39,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -155,6 +156,21 @@ def log_stats(log: str) -> dict:
     }
 
 
+def step_summary(path: Path, width: int = 8) -> list[list] | None:
+    """The decode steps the cost-aware adjuster timed (``NAME_trace.steps.jsonl``, written
+    beside its trace) by batch, in buckets of ``width`` requests: [first batch, last
+    batch, steps, median ms, mean batch, mean expected offloaded reads]."""
+    if not path.exists():
+        return None
+    rows = [s for x in path.read_text().splitlines() if x.strip() for s in json.loads(x)["steps"]]
+    buckets: dict[int, list] = {}
+    for b, ms, reads in rows:
+        buckets.setdefault((b - 1) // width, []).append((b, ms, reads))
+    return [[k * width + 1, (k + 1) * width, len(xs), round(statistics.median(x[1] for x in xs), 2),
+             round(sum(x[0] for x in xs) / len(xs), 1), round(sum(x[2] for x in xs) / len(xs), 1)]
+            for k, xs in sorted(buckets.items())]
+
+
 def trace_summary(path: Path) -> dict | None:
     if not path.exists():
         return None
@@ -165,6 +181,7 @@ def trace_summary(path: Path) -> dict | None:
         "restored": sum(len(x["restored"]) for x in lines),
         "min_resident": min((x["resident"] for x in lines), default=None),
         "final_resident": lines[-1]["resident"] if lines else None,
+        "cost_ms": lines[-1].get("cost_ms") if lines else None,  # the last order's prices
         "series": [(round(x["t"] - lines[0]["t"], 2), x["resident"], x.get("waiting", 0),
                     x.get("pool", {}).get("kv_split_expert_pages", 0)) for x in lines],
     }
@@ -257,6 +274,7 @@ def main() -> None:
         "peak_host_rss_mib": sampler.peak_host_rss_mib,
         "card_mib": args.card_gb * 1024, "gpu_mem_series": sampler.samples[::4],
         "trace": trace_summary(trace),
+        "steps": step_summary(trace.with_name(trace.name.removesuffix(".jsonl") + ".steps.jsonl")),
         "tracebacks": log.count("Traceback"),
         "bench_log_tail": bench_log[-1500:],
     }

@@ -34,6 +34,7 @@ copies wait for every enqueued pass (``sglang_rimuru/adjuster/applier.py``).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -264,7 +265,11 @@ class _StepTiming:
     ``i - 1`` has finished, so the first decode interval after a prefill is
     mostly that prefill (on the H200 such intervals averaged 144-218 ms against
     decode steps of ~10 ms, and made one more request look free: bench/RESULTS.md).
-    Every ``REFIT_ROUNDS`` rounds the
+    With ``--rimuru-adjuster-trace PATH`` every timed step is also written, every
+    ``REFIT_ROUNDS`` rounds, to ``steps_path(PATH)`` (one JSON line of
+    ``[batch, ms, expected reads]`` rows): the per-step record that checks the
+    cost model's price of one more request (a server stopped between two dumps
+    loses fewer than ``REFIT_ROUNDS`` rounds of it). Every ``REFIT_ROUNDS`` rounds the
     fit (step line and per-expert PCIe time) replaces the cost model's; at TP > 1
     rank 0's fit is broadcast over SGLang's TP CPU group so that every rank
     plans with the same numbers (the orders must agree).
@@ -279,6 +284,12 @@ class _StepTiming:
     reads_key: tuple | None = None  # (last order seq, orders in flight, batch) of ``reads``
     reads = 0.0
     rounds = 0
+    pending: list | None = None  # [batch, ms, reads] timed since the last dump (with a trace)
+
+    @staticmethod
+    def steps_path(trace_path: str) -> str:
+        """Where the timed steps of a server writing its adjuster trace to ``trace_path`` go."""
+        return trace_path.removesuffix(".jsonl") + ".steps.jsonl"
 
     @classmethod
     def round(cls, scheduler, ctl, batch) -> None:
@@ -300,12 +311,22 @@ class _StepTiming:
                 cls.reads_key = key
                 cls.reads = cost.expected_reads(adjuster.offloaded_token_probabilities(), cls.last[1])
             reads = cls.reads
-            cls.clock.record(cls.last[1], 1e3 * (now - cls.last[0]), reads)
+            ms = 1e3 * (now - cls.last[0])
+            cls.clock.record(cls.last[1], ms, reads)
+            if getattr(ctl, "trace_path", None):
+                if cls.pending is None:
+                    cls.pending = []
+                    open(cls.steps_path(ctl.trace_path), "w").close()  # one record per server run
+                cls.pending.append([cls.last[1], round(ms, 3), round(reads, 2)])
         cls.before_last = cls.last is not None
         cls.last = (now, len(batch.reqs)) if decode else None
         cls.rounds += 1
         if cls.rounds % cls.REFIT_ROUNDS:
             return
+        if cls.pending:
+            with open(cls.steps_path(ctl.trace_path), "a") as f:
+                f.write(json.dumps({"t": time.time(), "steps": cls.pending}) + "\n")
+            cls.pending = []
         fit = cls.clock.fit()
         group = scheduler.tp_group
         if group.world_size > 1:
