@@ -137,6 +137,27 @@ def test_where_pcie_costs_more_than_requests_gain_nothing_is_evicted(tmp_path, m
     assert any(ln.startswith("sglang_rimuru:restore_priced_out_rounds{") for ln in metrics.splitlines())
 
 
+def test_without_the_flag_the_offload_limit_is_all_but_one_and_the_burst_goes_past_half(tmp_path, model_dir):
+    """Elastic's default limit under the cost policy (plan.default_offload_limit): 7 of the
+    tiny model's 8 a layer, named on the pool's start line. The burst's first shortfall,
+    with nothing running, evicts past the old default of half (4) for the KV it needs."""
+    path = str(ensure_model("tiny-qwen3-moe", cache_dir=model_dir))
+    trace = tmp_path / "trace.jsonl"
+    flags = [f for f in ELASTIC if f not in ("--rimuru-expert-offload-limit", "4")]
+    srv = start_server([*flags, "--model-path", path, "--rimuru-adjuster-trace", str(trace)],
+                       tmp_path / "elastic.log", env=CHECKED)
+    try:
+        got = burst(srv)
+    finally:
+        srv.stop()
+    assert [len(ids) for ids in got] == [24] * len(BURST)
+    log = srv.log()
+    assert "in host memory, at most 7 a layer out of the pool (--rimuru-expert-offload-limit)" in log
+    most_out = max(8 - len(experts) for line in read_trace(trace) for experts in line["resident_sets"].values())
+    assert 4 < most_out <= 7
+    assert "Traceback" not in log
+
+
 def test_elastic_tp2_ranks_hold_the_same_experts_after_every_round(tmp_path, model_dir):
     path = str(ensure_model("tiny-qwen3-moe", cache_dir=model_dir))
     trace = tmp_path / "trace.jsonl"
