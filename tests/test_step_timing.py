@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from rimuru_patches import elastic
-from sglang_rimuru.adjuster.cost import CostModel
+from sglang_rimuru.adjuster.cost import CostModel, step_record_path
 
 
 class _Mode:
@@ -82,7 +82,7 @@ def test_with_a_trace_every_timed_step_is_written_for_the_cost_check(timing, tmp
     monkeypatch.setattr(elastic._StepTiming, "REFIT_ROUNDS", 4)
     trace = tmp_path / "elastic_trace.jsonl"
     steps = tmp_path / "elastic_trace.steps.jsonl"
-    assert elastic._StepTiming.steps_path(str(trace)) == str(steps)
+    assert step_record_path(str(trace)) == str(steps)
     steps.write_text("an older run's record\n")  # one record per server run
     timing([
         ("prefill", 4, 0.2),

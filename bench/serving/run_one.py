@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from sglang_rimuru.adjuster.cost import step_record_path  # noqa: E402
 from sglang_rimuru.serving import start_local_server  # noqa: E402
 
 #: what the lent H200 needs (no flashinfer there; bench/device/setup_device.sh)
@@ -157,8 +158,8 @@ def log_stats(log: str) -> dict:
 
 
 def step_summary(path: Path, width: int = 8) -> list[list] | None:
-    """The decode steps the cost-aware adjuster timed (``NAME_trace.steps.jsonl``, written
-    beside its trace) by batch, in buckets of ``width`` requests: [first batch, last
+    """The decode steps the cost-aware adjuster timed (``step_record_path`` of its trace)
+    by batch, in buckets of ``width`` requests: [first batch, last
     batch, steps, median ms, mean batch, mean expected offloaded reads]."""
     if not path.exists():
         return None
@@ -274,7 +275,7 @@ def main() -> None:
         "peak_host_rss_mib": sampler.peak_host_rss_mib,
         "card_mib": args.card_gb * 1024, "gpu_mem_series": sampler.samples[::4],
         "trace": trace_summary(trace),
-        "steps": step_summary(trace.with_name(trace.name.removesuffix(".jsonl") + ".steps.jsonl")),
+        "steps": step_summary(Path(step_record_path(str(trace)))),
         "tracebacks": log.count("Traceback"),
         "bench_log_tail": bench_log[-1500:],
     }

@@ -266,7 +266,7 @@ class _StepTiming:
     mostly that prefill (on the H200 such intervals averaged 144-218 ms against
     decode steps of ~10 ms, and made one more request look free: bench/RESULTS.md).
     With ``--rimuru-adjuster-trace PATH`` every timed step is also written, every
-    ``REFIT_ROUNDS`` rounds, to ``steps_path(PATH)`` (one JSON line of
+    ``REFIT_ROUNDS`` rounds, to ``step_record_path(PATH)`` (one JSON line of
     ``[batch, ms, expected reads]`` rows): the per-step record that checks the
     cost model's price of one more request (a server stopped between two dumps
     loses fewer than ``REFIT_ROUNDS`` rounds of it). Every ``REFIT_ROUNDS`` rounds the
@@ -286,16 +286,11 @@ class _StepTiming:
     rounds = 0
     pending: list | None = None  # [batch, ms, reads] timed since the last dump (with a trace)
 
-    @staticmethod
-    def steps_path(trace_path: str) -> str:
-        """Where the timed steps of a server writing its adjuster trace to ``trace_path`` go."""
-        return trace_path.removesuffix(".jsonl") + ".steps.jsonl"
-
     @classmethod
     def round(cls, scheduler, ctl, batch) -> None:
         import dataclasses
 
-        from sglang_rimuru.adjuster.cost import StepClock
+        from sglang_rimuru.adjuster.cost import StepClock, step_record_path
 
         adjuster = ctl.adjuster
         cost = adjuster.cost
@@ -313,10 +308,10 @@ class _StepTiming:
             reads = cls.reads
             ms = 1e3 * (now - cls.last[0])
             cls.clock.record(cls.last[1], ms, reads)
-            if getattr(ctl, "trace_path", None):
+            if ctl.trace_path:
                 if cls.pending is None:
                     cls.pending = []
-                    open(cls.steps_path(ctl.trace_path), "w").close()  # one record per server run
+                    open(step_record_path(ctl.trace_path), "w").close()  # one record per server run
                 cls.pending.append([cls.last[1], round(ms, 3), round(reads, 2)])
         cls.before_last = cls.last is not None
         cls.last = (now, len(batch.reqs)) if decode else None
@@ -324,7 +319,7 @@ class _StepTiming:
         if cls.rounds % cls.REFIT_ROUNDS:
             return
         if cls.pending:
-            with open(cls.steps_path(ctl.trace_path), "a") as f:
+            with open(step_record_path(ctl.trace_path), "a") as f:
                 f.write(json.dumps({"t": time.time(), "steps": cls.pending}) + "\n")
             cls.pending = []
         fit = cls.clock.fit()

@@ -59,7 +59,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
-__all__ = ["CostModel", "StepClock", "touched"]
+__all__ = ["CostModel", "StepClock", "step_record_path", "touched"]
 
 
 def touched(p: float, batch: int) -> float:
@@ -222,6 +222,12 @@ class CostModel:
         retract = self.throughput(batch - 1, offloaded)
         ref = max(retract, self.restored_throughput(batch - 1, offloaded, kv_per_request, kv_per_expert))
         return keep > (1.0 + self.margin) * ref
+
+
+def step_record_path(trace_path: str) -> str:
+    """Where a server writing its adjuster trace to ``trace_path`` records the decode steps
+    its ``StepClock`` timed (the integrator writes it, bench/serving/run_one.py reads it)."""
+    return trace_path.removesuffix(".jsonl") + ".steps.jsonl"
 
 
 class StepClock:
