@@ -1,0 +1,291 @@
+"""In-place (zero-copy) expert reads at a serving step's scale, against the copy engine.
+
+    python3 bench/kernel/zero_copy_scale.py --out zero_copy_scale.json [--region-gib 40] [--budget-s 300]
+
+Why: serving Qwen3-30B-A3B on an emulated 32 GB card with uniform routing (b327e46,
+bench/results/serving_h200_2026-12-02f) keeps ~4,000 experts on host pages (84 a layer)
+and routes nearly all of them at batch ~100: a decode step took 1,043 ms for ~4,000
+expected in-place reads of 9 MiB, 37 GB/s, where one layer alone reads its host experts
+at 52-63 GB/s (zero_copy_sweep.py) and SGLang's --cpu-offload-gb, which copies whole
+layers with the copy engine, moves ~58 GB/s. This separates the suspects:
+
+- ``compact``: one decode step of L MoE layers (one CUDA graph of L paged_fused_moe
+  calls), k experts a layer on host pages, every layer reading the *same* k host
+  experts (a working set of k x 9 MiB);
+- ``spread``: each layer its own k experts, at random slots of a registered region the
+  size of serving's (working set L x k x 9 MiB, what the GPU must translate);
+- ``spread_thp``: the same over transparent huge pages (MADV_HUGEPAGE, then registered:
+  SGLANG_RIMURU_HOST_PIN=hugepage);
+- ``copy``: the copy engine moving the same experts (one cudaMemcpyAsync of 9 MiB per
+  expert, host slot -> a device staging buffer), eager, as the offload path would.
+
+Rates are expert bytes / (step time - the step with every expert in HBM). The host
+slots hold the experts' real weights, and the last layer's output of every graphed
+variant is checked bit-equal to the all-in-HBM step. Writes JSON; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import sys
+import time
+
+import torch
+
+from rimuru_kernels import pack_contiguous_weights, paged_fused_moe
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from paged_rig import capture_graph  # noqa: E402
+
+E, H, I, TOP_K = 128, 2048, 768, 8  # Qwen3-30B-A3B's MoE layer
+IH = I * H
+EXPERT_BYTES = 3 * IH * 2
+
+
+def median_ms(run, reps: int) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def host_region(slots: int, thp: bool) -> tuple[torch.Tensor, object]:
+    """``slots`` experts' worth of page-locked, mapped host memory (cudaHostRegister,
+    as the server's host store); with ``thp`` the mapping is 2 MiB aligned and
+    MADV_HUGEPAGE first. Returns the tensor and what must outlive it."""
+    nbytes = slots * EXPERT_BYTES
+    align = 2 << 20
+    mm = mmap.mmap(-1, nbytes + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if thp and hasattr(mmap, "MADV_HUGEPAGE"):
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(mm, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % align
+    t = raw[start:start + nbytes].view(torch.bfloat16)
+    # one registration per layer's worth (128 experts), as the server's host store pins
+    # each layer's tensor (one 38 GiB registration returned success yet left it unpinned)
+    # (from the mapping's start, alignment slack included: torch asks about the storage's pointer)
+    # Chunk edges fall on expert slots (a copy may not straddle two registrations).
+    for lo, hi in _chunks(raw, start):
+        rc = int(torch.cuda.cudart().cudaHostRegister(lo, hi - lo, 3))  # portable | mapped
+        if rc != 0:
+            raise RuntimeError(f"cudaHostRegister of {hi - lo} B at {lo:#x} failed (cudaError {rc})")
+    if not t.is_pinned():
+        raise RuntimeError(f"{nbytes} B registered yet not pinned")
+    return t, (mm, raw, start)
+
+
+def release(keep) -> None:
+    torch.cuda.synchronize()
+    for lo, _ in _chunks(keep[1], keep[2]):
+        torch.cuda.cudart().cudaHostUnregister(lo)
+
+
+def _chunks(raw: torch.Tensor, start: int) -> list[tuple[int, int]]:
+    """[lo, hi) address ranges covering raw, cut every 128 expert slots from raw + start."""
+    return chunk_ranges(raw.data_ptr(), raw.data_ptr() + raw.numel(), raw.data_ptr() + start, E * EXPERT_BYTES)
+
+
+def chunk_ranges(base: int, end: int, first: int, chunk: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges covering [base, end), cut at first + n * chunk (n >= 1): a slot of
+    ``chunk``'s divisors laid out from ``first`` never straddles two ranges."""
+    cuts = list(range(first + chunk, end, chunk))
+    return list(zip([base] + cuts, cuts + [end]))
+
+
+def anon_huge_kib() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return -1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--region-gib", type=float, default=40.0, help="the spread region (serving's out-set: ~36 GiB)")
+    ap.add_argument("--tokens", default="16,100")
+    ap.add_argument("--ks", default="8,32,84")
+    ap.add_argument("--budget-s", type=float, default=300)
+    ap.add_argument("--layouts", default="compact,spread,spread_thp")
+    ap.add_argument("--configs", default="kernel", help="kernel (its own tables: --rimuru-moe-kernel fast), "
+                    "sglang (SGLang's launch configs, what serving's default exact kernel uses) or both: "
+                    "the compact layout runs once per kind")
+    args = ap.parse_args()
+    t_start = time.time()
+    L = args.layers
+    tokens = [int(x) for x in args.tokens.split(",")]
+    ks = [int(x) for x in args.ks.split(",")]
+    slots = int(args.region_gib * 2**30) // EXPERT_BYTES
+    assert slots >= L * max(ks), f"--region-gib {args.region_gib}: {slots} slots < {L} x {max(ks)}"
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(torch.bfloat16).cuda()
+    paged = pack_contiguous_weights(w13, w2)
+    del w13, w2
+    pool, table0, pe = paged.pool, paged.page_table, paged.page_elems
+    res = {"layers": L, "region_gib": args.region_gib, "expert_bytes": EXPERT_BYTES,
+           "thp_enabled": open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+           if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") else None, "rows": []}
+    # the copy engine's ceiling: one 1 GiB pinned copy
+    big = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dev.copy_(big, non_blocking=True)
+    res["copy_ceiling_GBps"] = (1 << 30) / (median_ms(lambda: dev.copy_(big, non_blocking=True), 5) * 1e6)
+    del big, dev
+    print(f"pinned 1 GiB copy: {res['copy_ceiling_GBps']:.1f} GB/s; THP: {res['thp_enabled']}", flush=True)
+
+    # per T: routing per layer, and each layer's out-set (k of its routed experts)
+    plans = {}
+    for T in tokens:
+        hidden = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+        routes = []
+        for _ in range(L):
+            w, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), TOP_K, dim=-1)
+            routed = torch.unique(ids.view(-1))
+            order = routed[torch.randperm(routed.numel(), generator=g)].tolist()
+            routes.append((w.cuda(), ids.to(torch.int32).cuda(), order))
+        plans[T] = (hidden, routes)
+
+    def tables_for(T: int, k: int, slot_of) -> list[torch.Tensor]:
+        out = []
+        for l, (_, _, order) in enumerate(plans[T][1]):
+            t = table0.clone()
+            for j, e in enumerate(order[:k]):
+                s = slot_of(l, j)
+                t[e] = torch.tensor([-2 - (3 * s + m) for m in range(3)], dtype=torch.int32)
+            out.append(t)
+        return out
+
+    def fill(host: torch.Tensor, T: int, k: int, slot_of) -> None:
+        """Host slot of (layer l, j-th out expert) = that expert's real weights."""
+        for l, (_, _, order) in enumerate(plans[T][1]):
+            for j, e in enumerate(order[:k]):
+                s = slot_of(l, j)
+                for m in range(3):
+                    p = int(table0[e, m])
+                    host[(3 * s + m) * IH:(3 * s + m + 1) * IH].copy_(pool[p * pe:p * pe + IH], non_blocking=True)
+        torch.cuda.synchronize()
+
+    out_buf = {T: torch.empty(T, H, dtype=torch.bfloat16, device="cuda") for T in tokens}
+
+    kinds = ["kernel", "sglang"] if args.configs == "both" else [args.configs]
+    cfgs = {(T, "kernel"): (None, None) for T in tokens}
+    if "sglang" in kinds:
+        import sglang_rig
+
+        res["sglang_rig"] = sglang_rig.setup(cpu=False, tp_group=False)
+        for T in tokens:
+            cfgs[(T, "sglang")] = sglang_rig.resolve_configs(E, H, I, TOP_K, T, torch.bfloat16)
+            print(f"T={T}: SGLang's configs up {cfgs[(T, 'sglang')][0]} down {cfgs[(T, 'sglang')][1]}", flush=True)
+    res["configs"] = {f"{T}/{kind}": v for (T, kind), v in cfgs.items()}
+
+    def step_fn(T, tables, host, kind="kernel"):
+        hidden, routes = plans[T]
+        up, down = cfgs[(T, kind)]
+
+        def step():
+            for l in range(L):
+                w, ids, _ = routes[l]
+                paged_fused_moe(hidden, pool, tables[l], w, ids, inter_size=I, page_elems=pe,
+                                host_pages=host, out=out_buf[T], config=up, down_config=down)
+        return step
+
+    def timed(T, tables, host, kind="kernel") -> tuple[float, torch.Tensor]:
+        step = step_fn(T, tables, host, kind)
+        gr = capture_graph(step)
+        ms = median_ms(gr.replay, 3)
+        step()
+        torch.cuda.synchronize()
+        return ms, out_buf[T].clone()
+
+    base = {}
+    for T in tokens:
+        for kind in kinds:
+            base[(T, kind)] = timed(T, [table0] * L, None, kind)
+            print(f"T={T}: all in HBM {base[(T, kind)][0]:.2f} ms a step of {L} layers ({kind} configs)", flush=True)
+    print(f"{'layout':11} {'T':>4} {'k':>3} {'GiB':>6} {'step ms':>8} {'+ms':>8} {'GB/s':>6} equal", flush=True)
+
+    def n_out(T: int, k: int) -> int:  # fewer than L x k where a layer routes fewer than k experts
+        return sum(min(k, len(order)) for _, _, order in plans[T][1])
+
+    def record(layout, T, k, ms, equal, extra_ms=None, kind="kernel"):
+        nbytes = n_out(T, k) * EXPERT_BYTES
+        b = base[(T, kind)][0]
+        extra = ms - b if extra_ms is None else extra_ms
+        row = dict(layout=layout, configs=kind, T=T, k=k, bytes=nbytes, step_ms=ms, base_ms=b, extra_ms=extra,
+                   GBps=nbytes / (max(extra, 1e-6) * 1e6), equal=equal)
+        row["experts"] = n_out(T, k)
+        res["rows"].append(row)
+        print(f"{layout + ('' if kind == 'kernel' else '/' + kind):11} {T:4d} {k:3d} {nbytes / 2**30:6.2f} {ms:8.2f} {extra:8.2f} {row['GBps']:6.1f} "
+              f"{'' if equal is None else ('yes' if equal else 'NO')}", flush=True)
+        json.dump(res, open(args.out, "w"), indent=1)
+
+    # compact: layer l's j-th out expert reads slot j, for every l: k experts' bytes in all.
+    # The slots hold layer L-1's out experts, so only the last layer's output is checked.
+    host, keep = host_region(max(ks), thp=False)
+    for T in tokens if "compact" in args.layouts else []:
+        for k in ks:
+            for j, e in enumerate(plans[T][1][L - 1][2][:k]):
+                for m in range(3):
+                    p = int(table0[e, m])
+                    host[(3 * j + m) * IH:(3 * j + m + 1) * IH].copy_(pool[p * pe:p * pe + IH])
+            for kind in kinds:
+                ms, got = timed(T, tables_for(T, k, lambda l, j: j), host, kind)
+                record("compact", T, k, ms, bool(torch.equal(got, base[(T, kind)][1])), kind=kind)
+    release(keep)
+    del host, keep
+
+    for layout, thp in (("spread", False), ("spread_thp", True)):
+        if layout not in args.layouts.split(","):
+            continue
+        if time.time() - t_start > args.budget_s:
+            res["skipped"] = res.get("skipped", []) + [layout]
+            continue
+        t0 = time.time()
+        host, keep = host_region(slots, thp=thp)
+        res[f"{layout}_register_s"] = time.time() - t0
+        res[f"{layout}_anon_huge_kib"] = anon_huge_kib()
+        print(f"{layout}: registered {args.region_gib} GiB in {res[f'{layout}_register_s']:.1f} s, "
+              f"AnonHugePages {res[f'{layout}_anon_huge_kib']} kB", flush=True)
+        perm = torch.randperm(slots, generator=g).tolist()
+        for T in tokens:
+            for k in ks:
+                if time.time() - t_start > args.budget_s:
+                    res["skipped"] = res.get("skipped", []) + [f"{layout} T={T} k={k}"]
+                    continue
+                spread = lambda l, j, k=k: perm[l * k + j]  # noqa: E731
+                fill(host, T, k, spread)
+                ms, got = timed(T, tables_for(T, k, spread), host)
+                record(layout, T, k, ms, bool(torch.equal(got, base[(T, "kernel")][1])))
+                if layout == "spread":  # the copy engine, same experts, same bytes
+                    stage = torch.empty(k * 3 * IH, dtype=torch.bfloat16, device="cuda")
+
+                    def copies():
+                        for l, (_, _, order) in enumerate(plans[T][1]):
+                            for j in range(min(k, len(order))):
+                                s = spread(l, j)
+                                stage[j * 3 * IH:(j + 1) * 3 * IH].copy_(host[3 * s * IH:3 * (s + 1) * IH],
+                                                                          non_blocking=True)
+                    copies()
+                    cms = median_ms(copies, 3)
+                    record("copy", T, k, cms, None, extra_ms=cms)
+                    del stage
+        release(keep)
+        del host, keep
+    res["wall_s"] = time.time() - t_start
+    json.dump(res, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        sys.exit("zero_copy_scale.py needs a CUDA device (pinned, mapped host memory)")
+    main()
