@@ -119,14 +119,17 @@ def floors(results: list[dict], step_ms: float, lens: Path) -> str:
 def steps(results: list[dict]) -> str:
     """The decode steps each elastic run timed (run_one's ``steps``), by batch, beside what
     the cost model of its last order prices them at (base + per request x batch + per read
-    x expected offloaded reads): where they part, the price of one more request is off."""
-    lines = ["| system | batch | steps | median ms | model ms (last fit) | mean expected reads |",
-             "|---|---|---|---|---|---|"]
+    x expected offloaded reads): where they part, the price of one more request is off.
+    ``GPU ms``: the median GPU time of the decode passes of that batch (records since
+    ``pass_timer.py``): well under the step's wall time, the CPU held the step."""
+    lines = ["| system | batch | steps | median ms | GPU ms | model ms (last fit) | mean expected reads |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         cost = (r.get("trace") or {}).get("cost_ms")
-        for lo, hi, n, ms, b, reads in r.get("steps") or []:
+        for lo, hi, n, ms, b, reads, *rest in r.get("steps") or []:
             model = f"{cost['base'] + cost['per_request'] * b + cost['expert'] * reads:.2f}" if cost else "-"
-            lines.append(f"| {r['name']} | {lo}-{hi} | {n} | {ms:.2f} | {model} | {reads:.1f} |")
+            gpu = f"{rest[0]:.2f}" if rest and rest[0] is not None else "-"
+            lines.append(f"| {r['name']} | {lo}-{hi} | {n} | {ms:.2f} | {gpu} | {model} | {reads:.1f} |")
     return "\n".join(lines) if len(lines) > 2 else "(no run has a per-step record)"
 
 

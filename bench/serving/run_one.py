@@ -160,15 +160,20 @@ def log_stats(log: str) -> dict:
 def step_summary(path: Path, width: int = 8) -> list[list] | None:
     """The decode steps the cost-aware adjuster timed (``step_record_path`` of its trace)
     by batch, in buckets of ``width`` requests: [first batch, last
-    batch, steps, median ms, mean batch, mean expected offloaded reads]."""
+    batch, steps, median ms, mean batch, mean expected offloaded reads, median GPU ms
+    of the decode passes of that batch (the record's ``"gpu"`` rows; None without)]."""
     if not path.exists():
         return None
-    rows = [s for x in path.read_text().splitlines() if x.strip() for s in json.loads(x)["steps"]]
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     buckets: dict[int, list] = {}
-    for b, ms, reads in rows:
+    for b, ms, reads in (s for line in lines for s in line["steps"]):
         buckets.setdefault((b - 1) // width, []).append((b, ms, reads))
+    gpu: dict[int, list] = {}
+    for b, ms in (g for line in lines for g in line.get("gpu", [])):
+        gpu.setdefault((b - 1) // width, []).append(ms)
     return [[k * width + 1, (k + 1) * width, len(xs), round(statistics.median(x[1] for x in xs), 2),
-             round(sum(x[0] for x in xs) / len(xs), 1), round(sum(x[2] for x in xs) / len(xs), 1)]
+             round(sum(x[0] for x in xs) / len(xs), 1), round(sum(x[2] for x in xs) / len(xs), 1),
+             round(statistics.median(gpu[k]), 2) if k in gpu else None]
             for k, xs in sorted(buckets.items())]
 
 

@@ -38,6 +38,7 @@ import json
 import logging
 import time
 
+from rimuru_patches import pass_timer
 from rimuru_patches.context import ProcessContext
 from rimuru_patches.seams import Seam, register
 
@@ -267,8 +268,10 @@ class _StepTiming:
     decode steps of ~10 ms, and made one more request look free: bench/RESULTS.md).
     With ``--rimuru-adjuster-trace PATH`` every timed step is also written, every
     ``REFIT_ROUNDS`` rounds, to ``step_record_path(PATH)`` (one JSON line of
-    ``[batch, ms, expected reads]`` rows): the per-step record that checks the
-    cost model's price of one more request (a server stopped between two dumps
+    ``[batch, ms, expected reads]`` rows, and under ``"gpu"`` the ``[batch, GPU ms]``
+    of the decode passes finished since the last dump, ``pass_timer.py``): the
+    per-step record that checks the cost model's price of one more request, and
+    whether the GPU or the CPU set a step (a server stopped between two dumps
     loses fewer than ``REFIT_ROUNDS`` rounds of it). Every ``REFIT_ROUNDS`` rounds the
     fit (step line and per-expert PCIe time) replaces the cost model's; at TP > 1
     rank 0's fit is broadcast over SGLang's TP CPU group so that every rank
@@ -285,6 +288,7 @@ class _StepTiming:
     reads = 0.0
     rounds = 0
     pending: list | None = None  # [batch, ms, reads] timed since the last dump (with a trace)
+    gpu_pending: list = []  # [batch, GPU ms] of decode passes since the last dump (with a trace, on CUDA)
 
     @classmethod
     def round(cls, scheduler, ctl, batch) -> None:
@@ -313,6 +317,8 @@ class _StepTiming:
                     cls.pending = []
                     open(step_record_path(ctl.trace_path), "w").close()  # one record per server run
                 cls.pending.append([cls.last[1], round(ms, 3), round(reads, 2)])
+        if ctl.trace_path and cls.pending is not None and (timer := pass_timer.current()) is not None:
+            cls.gpu_pending += timer.collect()
         cls.before_last = cls.last is not None
         cls.last = (now, len(batch.reqs)) if decode else None
         cls.rounds += 1
@@ -320,8 +326,8 @@ class _StepTiming:
             return
         if cls.pending:
             with open(step_record_path(ctl.trace_path), "a") as f:
-                f.write(json.dumps({"t": time.time(), "steps": cls.pending}) + "\n")
-            cls.pending = []
+                f.write(json.dumps({"t": time.time(), "steps": cls.pending, "gpu": cls.gpu_pending}) + "\n")
+            cls.pending, cls.gpu_pending = [], []
         fit = cls.clock.fit()
         group = scheduler.tp_group
         if group.world_size > 1:

@@ -223,15 +223,19 @@ def test_the_per_step_record_is_bucketed_and_set_beside_the_cost_model(tmp_path)
     report.py --steps sets each bucket's median beside the last order's cost model."""
     run_one, report = _serving_module("run_one"), _serving_module("report")
     path = tmp_path / "e_trace.steps.jsonl"
+    # the first line from before the GPU times were recorded; the second with them
     path.write_text(json.dumps({"t": 1.0, "steps": [[1, 6.0, 0.0], [8, 8.0, 2.0], [3, 7.0, 1.0]]}) + "\n"
-                    + json.dumps({"t": 2.0, "steps": [[9, 30.0, 40.0], [16, 34.0, 50.0]]}) + "\n")
+                    + json.dumps({"t": 2.0, "steps": [[9, 30.0, 40.0], [16, 34.0, 50.0]],
+                                  "gpu": [[10, 20.0], [16, 24.0], [9, 21.0]]}) + "\n")
     rows = run_one.step_summary(path)
-    assert rows == [[1, 8, 3, 7.0, 4.0, 1.0], [9, 16, 2, 32.0, 12.5, 45.0]]
+    assert rows == [[1, 8, 3, 7.0, 4.0, 1.0, None], [9, 16, 2, 32.0, 12.5, 45.0, 21.0]]
     assert run_one.step_summary(tmp_path / "missing.steps.jsonl") is None
     r = {"name": "elastic24", "steps": rows,
          "trace": {"cost_ms": {"base": 5.0, "per_request": 0.2, "expert": 0.5}}}
-    out = report.steps([r, {"name": "off24", "trace": None}])
-    assert "| elastic24 | 1-8 | 3 | 7.00 | 6.30 | 1.0 |" in out  # 5 + 0.2 x 4 + 0.5 x 1
-    assert "| elastic24 | 9-16 | 2 | 32.00 | 30.00 | 45.0 |" in out  # 5 + 0.2 x 12.5 + 0.5 x 45
+    old = {"name": "elastic24-old", "steps": [row[:6] for row in rows]}  # a JSON from before the GPU column
+    out = report.steps([r, {"name": "off24", "trace": None}, old])
+    assert "| elastic24 | 1-8 | 3 | 7.00 | - | 6.30 | 1.0 |" in out  # 5 + 0.2 x 4 + 0.5 x 1
+    assert "| elastic24 | 9-16 | 2 | 32.00 | 21.00 | 30.00 | 45.0 |" in out  # 5 + 0.2 x 12.5 + 0.5 x 45
+    assert "| elastic24-old | 9-16 | 2 | 32.00 | - | - | 45.0 |" in out
     assert "off24" not in out
     assert report.steps([{"name": "off24"}]) == "(no run has a per-step record)"

@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import os
 
+import torch
+
+from rimuru_patches import pass_timer
 from rimuru_patches.context import ProcessContext
 from rimuru_patches.seams import Seam, original, register
 from rimuru_patches.unified_pool import affinity, host_experts
@@ -138,9 +141,15 @@ def _forward(orig, ctx):
         runtime.manager.begin_forward()
         if runtime.elastic is not None:  # this round's migration order rides along this pass
             runtime.elastic.before_forward()
+        # a decode pass's GPU time, for the step record (elastic with a trace; pass_timer.py)
+        timer = pass_timer.timer_for(runtime)
+        timed = (timer.begin(forward_batch.batch_size) if timer is not None and forward_batch.forward_mode.is_decode()
+                 and not torch.cuda.is_current_stream_capturing() else None)
         try:
             return orig(self, forward_batch, *args, **kwargs)
         finally:
+            if timed is not None:
+                timer.end(timed)
             runtime.manager.end_forward()
             if runtime.elastic is not None:
                 runtime.elastic.after_forward()

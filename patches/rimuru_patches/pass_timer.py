@@ -1,0 +1,98 @@
+"""GPU time of each decode forward pass, beside the step record's wall time.
+
+The step record (``--rimuru-adjuster-trace``: ``_StepTiming`` in ``elastic.py``)
+times a decode step as the wall time between two decode rounds: under the overlap
+scheduler, the longer of the GPU's pass and the CPU's scheduling. On the H200 a
+uniform Qwen3-30B-A3B step took 1,043 ms where its in-place reads alone take
+~740 ms (bench/RESULTS.md), and the wall time cannot say whether the GPU or the
+CPU held the rest. This keeps what the GPU itself spent: two CUDA events around
+``ModelRunner.forward`` (graph replay included; never while a graph is being
+captured), read once the end event has completed, without waiting. A pass whose
+GPU time is well under its round's wall time was held up by the CPU.
+
+Written by the ``experts.forward_pass`` seam (the forward thread), read by
+``_StepTiming`` (the scheduler's round): deque appends and pops are atomic.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+__all__ = ["PassTimer", "current", "timer_for"]
+
+
+class PassTimer:
+    """Start and end events of the decode passes still on the GPU, and their times once done.
+
+    ``new_event()`` makes an event with ``record()``, ``query()`` and
+    ``elapsed_time(end)`` (``torch.cuda.Event(enable_timing=True)``; tests pass
+    stand-ins). Events are reused. At most ``max_pending`` passes wait to be read:
+    beyond that the oldest are dropped (``dropped``), so nothing grows while no
+    one reads.
+    """
+
+    def __init__(self, new_event: Callable[[], object], max_pending: int = 512) -> None:
+        self._new_event = new_event
+        self._free: list = []
+        self._pending: deque = deque()  # (batch, start event, end event), oldest first
+        self.max_pending = max_pending
+        self.dropped = 0
+
+    def _event(self):
+        try:
+            return self._free.pop()
+        except IndexError:
+            return self._new_event()
+
+    def begin(self, batch: int) -> tuple:
+        """Before a decode pass is enqueued: its start event, recorded on the current stream."""
+        start = self._event()
+        start.record()
+        return batch, start
+
+    def end(self, token: tuple) -> None:
+        """After the pass is enqueued: its end event, after the pass's last kernel."""
+        batch, start = token
+        end = self._event()
+        end.record()
+        self._pending.append((batch, start, end))
+        while len(self._pending) > self.max_pending:
+            self._pending.popleft()
+            self.dropped += 1
+
+    def collect(self) -> list[list]:
+        """``[batch, GPU ms]`` of the passes finished since the last call, in order (stops at
+        the first still running: passes on one stream finish in order)."""
+        out = []
+        while self._pending:
+            batch, start, end = self._pending[0]
+            if not end.query():
+                break
+            self._pending.popleft()
+            out.append([batch, round(start.elapsed_time(end), 3)])
+            self._free += [start, end]
+        return out
+
+
+#: the process's timer: made by the first pass of an elastic runtime writing a trace on CUDA
+_TIMER: PassTimer | None = None
+_CHECKED = False
+
+
+def timer_for(runtime) -> PassTimer | None:
+    """The timer when ``runtime`` is elastic, writes its adjuster trace and runs on CUDA; else None."""
+    global _TIMER, _CHECKED
+    if not _CHECKED:
+        _CHECKED = True
+        elastic = getattr(runtime, "elastic", None)
+        if elastic is not None and getattr(elastic, "trace_path", None) and runtime.device.type == "cuda":
+            import torch
+
+            _TIMER = PassTimer(lambda: torch.cuda.Event(enable_timing=True))
+    return _TIMER
+
+
+def current() -> PassTimer | None:
+    """The timer, if the forward seam made one (the scheduler's round reads it)."""
+    return _TIMER

@@ -1,0 +1,140 @@
+"""``rimuru_patches.pass_timer``: the GPU time of decode passes beside the step record.
+
+CUDA events are stood in for by objects whose completion the test controls; the
+forward seam's use of it (a decode pass timed, a prefill or a capture not) runs
+through ``unified_pool._forward`` with stand-in runtime and batches.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from rimuru_patches import elastic, pass_timer
+from rimuru_patches import unified_pool as up
+from sglang_rimuru.adjuster.cost import CostModel
+
+
+class FakeEvent:
+    """Records the fake clock when recorded; done once the test says so."""
+
+    clock = [0.0]
+    made = 0
+
+    def __init__(self) -> None:
+        FakeEvent.made += 1
+        self.t = None
+        self.done = False
+
+    def record(self) -> None:
+        self.t, self.done = FakeEvent.clock[0], False
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        return end.t - self.t
+
+
+def _pass(timer, batch, ms):
+    tok = timer.begin(batch)
+    FakeEvent.clock[0] += ms
+    timer.end(tok)
+    return tok[1], timer._pending[-1][2]
+
+
+def test_finished_passes_come_back_in_order_and_the_running_one_waits():
+    FakeEvent.clock[0], FakeEvent.made = 0.0, 0
+    timer = pass_timer.PassTimer(FakeEvent)
+    s1, e1 = _pass(timer, 4, 10.0)
+    s2, e2 = _pass(timer, 5, 12.5)
+    assert timer.collect() == []  # nothing finished yet
+    e2.done = True  # the later one's flag alone cannot overtake the first: passes finish in order
+    assert timer.collect() == []
+    e1.done = True
+    assert timer.collect() == [[4, 10.0], [5, 12.5]]
+    assert timer.collect() == []
+    # their four events are reused by the next passes: no new ones
+    _pass(timer, 6, 1.0)
+    _pass(timer, 6, 2.0)
+    assert FakeEvent.made == 4
+
+
+def test_unread_passes_are_capped():
+    timer = pass_timer.PassTimer(FakeEvent, max_pending=3)
+    ends = [_pass(timer, b, 1.0)[1] for b in range(1, 6)]
+    for e in ends:
+        e.done = True
+    assert [b for b, _ in timer.collect()] == [3, 4, 5] and timer.dropped == 2
+
+
+@pytest.fixture
+def seam(monkeypatch):
+    """unified_pool's ModelRunner.forward wrapper over a stand-in runtime with a trace on CUDA."""
+    monkeypatch.setattr(pass_timer, "_TIMER", None)
+    monkeypatch.setattr(pass_timer, "_CHECKED", False)
+    calls = []
+    manager = SimpleNamespace(begin_forward=lambda: calls.append("begin"), end_forward=lambda: calls.append("end"))
+    ctl = SimpleNamespace(trace_path="/tmp/x_trace.jsonl", before_forward=lambda: None, after_forward=lambda: None)
+    runtime = SimpleNamespace(manager=manager, elastic=ctl, device=SimpleNamespace(type="cuda"),
+                              log_stats_every=lambda n: None)
+    monkeypatch.setattr(up, "_runtime", lambda: runtime)
+    capturing = [False]
+    monkeypatch.setattr(up.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(up.torch.cuda, "Event", lambda enable_timing: FakeEvent())
+    forward = up._forward(lambda self, fb: calls.append(("pass", fb.batch_size)) or "out", None)
+
+    def run(decode: bool, batch: int, capture: bool = False):
+        capturing[0] = capture
+        mode = SimpleNamespace(is_decode=lambda: decode)
+        return forward(None, SimpleNamespace(batch_size=batch, forward_mode=mode))
+
+    return run, calls, runtime
+
+
+def test_the_forward_seam_times_decode_passes_only(seam):
+    run, calls, _ = seam
+    assert run(True, 7) == "out"
+    run(False, 2048)  # a prefill
+    run(True, 8, capture=True)  # a graph being captured: events may not be recorded there
+    timer = pass_timer.current()
+    assert [(b, e.t - s.t) for b, s, e in timer._pending] == [(7, 0.0)]
+    assert calls == ["begin", ("pass", 7), "end", "begin", ("pass", 2048), "end", "begin", ("pass", 8), "end"]
+
+
+def test_no_timer_without_a_trace_or_off_cuda(seam):
+    run, _, runtime = seam
+    runtime.elastic.trace_path = None
+    run(True, 3)
+    assert pass_timer.current() is None
+
+
+def test_the_step_record_carries_the_gpu_times(monkeypatch, tmp_path):
+    """_StepTiming writes the passes finished since its last dump under "gpu"."""
+    st = elastic._StepTiming
+    for name, value in (("clock", None), ("last", None), ("before_last", False), ("reads_key", None),
+                        ("reads", 0.0), ("rounds", 0), ("pending", None), ("gpu_pending", []),
+                        ("REFIT_ROUNDS", 4)):
+        monkeypatch.setattr(st, name, value)
+    timer = pass_timer.PassTimer(FakeEvent)
+    monkeypatch.setattr(pass_timer, "_TIMER", timer)
+    now = [0.0]
+    monkeypatch.setattr(elastic.time, "monotonic", lambda: now[0])
+    adjuster = SimpleNamespace(cost=CostModel(expert_ms=0.3, base_ms=5.9, per_request_ms=0.17), last_seq=0,
+                               in_flight=(), offloaded_token_probabilities=lambda: [])
+    trace = tmp_path / "e_trace.jsonl"
+    ctl = SimpleNamespace(adjuster=adjuster, trace_path=str(trace))
+    scheduler = SimpleNamespace(tp_group=SimpleNamespace(world_size=1))
+    batch = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: True), reqs=[None] * 4)
+    for i in range(8):
+        st.round(scheduler, ctl, batch)
+        _, end = _pass(timer, 4, 9.0)  # the round's pass, done by the next round
+        end.done = True
+        now[0] += 0.01
+    lines = [json.loads(x) for x in (tmp_path / "e_trace.steps.jsonl").read_text().splitlines()]
+    # rounds 2 and 3 time the first steps (the record starts at round 2, with the passes
+    # finished by then), the dump closes round 3; then rounds 4-7 and their passes
+    assert [len(line["steps"]) for line in lines] == [2, 4]
+    assert [line["gpu"] for line in lines] == [[[4, 9.0]] * 3, [[4, 9.0]] * 4]
