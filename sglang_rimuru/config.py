@@ -20,6 +20,9 @@ MODES = ("off", "static", "elastic")
 #: top-k sum, outputs bit-equal to ``--rimuru-mode off``. ``fast``: the kernel's
 #: own tuned configs, SiLU*up fused into the gate/up GEMM, its Triton top-k sum.
 MOE_KERNELS = ("exact", "fast")
+#: --rimuru-mix-decodes: "offloaded" = prefill passes carry the running decodes while any
+#: routed expert is offloaded; "sglang" = SGLang's own --enable-mixed-chunk alone
+MIX_DECODES = ("offloaded", "sglang")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,8 @@ class RimuruConfig:
     zero_copy_max_tokens: int = 128
     #: the paged MoE kernel's arithmetic on CUDA (MOE_KERNELS); the CPU path is torch either way
     moe_kernel: str = "exact"
+    #: when a prefill pass also advances the running decode requests (MIX_DECODES)
+    mix_decodes: str = "offloaded"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -65,6 +70,9 @@ class RimuruConfig:
         if self.moe_kernel not in MOE_KERNELS:
             raise ValueError(f"--rimuru-moe-kernel: unknown kernel {self.moe_kernel!r}; choose from "
                              f"{', '.join(MOE_KERNELS)}")
+        if self.mix_decodes not in MIX_DECODES:
+            raise ValueError(f"--rimuru-mix-decodes: unknown choice {self.mix_decodes!r}; choose from "
+                             f"{', '.join(MIX_DECODES)}")
         for flag, value in (
             ("--rimuru-expert-offload-limit", self.expert_offload_limit),
             ("--rimuru-resident-experts", self.resident_experts),
@@ -126,6 +134,7 @@ class RimuruConfig:
             "--rimuru-zero-copy-max-tokens": (None if self.zero_copy_max_tokens == self._default(
                 "--rimuru-zero-copy-max-tokens") else self.zero_copy_max_tokens),
             "--rimuru-moe-kernel": None if self.moe_kernel == self._default("--rimuru-moe-kernel") else self.moe_kernel,
+            "--rimuru-mix-decodes": None if self.mix_decodes == self._default("--rimuru-mix-decodes") else self.mix_decodes,
         }
 
     @property
@@ -203,6 +212,17 @@ class RimuruConfig:
             "SiLU*up fused into the gate/up GEMM and its Triton top-k sum (same math, other rounding order).",
         )
         group.add_argument(
+            "--rimuru-mix-decodes",
+            choices=MIX_DECODES,
+            default=RimuruConfig.mix_decodes,
+            help="When a prefill pass also advances the running decode requests (SGLang's mixed "
+            "chunked prefill). 'offloaded' (default): while any routed expert is offloaded, since "
+            "every pass then reads each offloaded expert over PCIe once, and a prefill pass that "
+            "carries the decodes saves them a pass of their own; with every expert resident, as "
+            "SGLang's --enable-mixed-chunk says. Not under --enable-deterministic-inference. "
+            "'sglang': --enable-mixed-chunk alone.",
+        )
+        group.add_argument(
             "--rimuru-record-routing",
             default=None,
             metavar="PATH",
@@ -273,6 +293,7 @@ class RimuruConfig:
             zero_copy_max_tokens=args.rimuru_zero_copy_max_tokens,
             load_buffer_slots=args.rimuru_load_buffer_slots,
             moe_kernel=args.rimuru_moe_kernel,
+            mix_decodes=args.rimuru_mix_decodes,
         )
 
     def to_dict(self) -> dict:

@@ -191,6 +191,7 @@ def test_pool_seams_resolve_when_the_pool_mode_is_on():
                 "experts.host_load",
                 "experts.host_weights",
                 "experts.dummy_weights",
+                "scheduler.mix_decodes",
             ]
         )
     )

@@ -85,6 +85,9 @@ for run in ${RUNS:-static32 elastic32}; do
     # elastic with no limit flag: the default (all but one a layer under the cost policy)
     elastic24d) one elastic24d 24 q15 -- --rimuru-mode elastic ;;
     q3elastic32d) one q3elastic32d 32 q3 -- --rimuru-mode elastic ;;
+    # ... with SGLang's mixed chunked prefill: each prefill pass carries the running decodes, so a
+    # pass that reads every offloaded expert once also advances every running request
+    q3elastic32dm) one q3elastic32dm 32 q3 -- --rimuru-mode elastic --enable-mixed-chunk ;;
     # ... with the kernel's own tables, fused SiLU*up and top-k sum (issue 13 item 5): at uniform
     # Qwen3 a serving step read in place at 36 GB/s where the same reads alone, on those tables, ran at 52
     q3elastic32df) one q3elastic32df 32 q3 -- --rimuru-mode elastic --rimuru-moe-kernel fast ;;

@@ -1,0 +1,43 @@
+"""bench/device/profile_decode.py's trace summary: the GPU's busy time is the union of its
+kernels and copies (streams overlap), the idle rest is the GPU waiting for the host. The
+profiling itself needs the H200 (a device call runs it)."""
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("profile_decode", ROOT / "bench" / "device" / "profile_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_busy_union_counts_overlaps_once():
+    m = load()
+    assert m.busy_union([]) == 0.0
+    assert m.busy_union([(0, 10), (5, 15), (20, 30), (22, 25)]) == 25.0
+    assert m.busy_union([(20, 30), (0, 10)]) == 20.0
+
+
+def test_summary_of_a_trace(tmp_path):
+    m = load()
+    events = [
+        {"cat": "kernel", "name": "fused_moe_kernel", "ts": 0, "dur": 400},
+        {"cat": "kernel", "name": "fused_moe_kernel", "ts": 1000, "dur": 400},
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 200, "dur": 300},  # overlaps the first
+        {"cat": "kernel", "name": "attention", "ts": 1900, "dur": 100},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},  # host side: not GPU time
+    ]
+    path = tmp_path / "x.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = m.summarize(path)
+    assert s["gpu_events"] == 4
+    assert s["span_ms"] == 2.0 and s["busy_ms"] == 1.0  # 0-500, 1000-1400, 1900-2000
+    assert s["top"][0] == {"name": "kernel: fused_moe_kernel", "count": 2, "total_ms": 0.8}
+    assert [r["name"] for r in s["top"][1:]] == ["gpu_memcpy: Memcpy HtoD (Pinned -> Device)", "kernel: attention"]
