@@ -1,7 +1,7 @@
-"""``rimuru_patches.pass_timer``: the GPU time of decode passes beside the step record.
+"""``rimuru_patches.pass_timer``: the GPU time of forward passes beside the step record.
 
 CUDA events are stood in for by objects whose completion the test controls; the
-forward seam's use of it (a decode pass timed, a prefill or a capture not) runs
+forward seam's use of it (decode and prefill passes timed with their kind, a capture not) runs
 through ``unified_pool._forward`` with stand-in runtime and batches.
 """
 
@@ -38,11 +38,11 @@ class FakeEvent:
         return end.t - self.t
 
 
-def _pass(timer, batch, ms):
-    tok = timer.begin(batch)
+def _pass(timer, batch, ms, kind="decode"):
+    tok = timer.begin(batch, kind)
     FakeEvent.clock[0] += ms
     timer.end(tok)
-    return tok[1], timer._pending[-1][2]
+    return tok[2], timer._pending[-1][3]
 
 
 def test_finished_passes_come_back_in_order_and_the_running_one_waits():
@@ -54,7 +54,7 @@ def test_finished_passes_come_back_in_order_and_the_running_one_waits():
     e2.done = True  # the later one's flag alone cannot overtake the first: passes finish in order
     assert timer.collect() == []
     e1.done = True
-    assert timer.collect() == [[4, 10.0], [5, 12.5]]
+    assert timer.collect() == [[4, 10.0, "decode"], [5, 12.5, "decode"]]
     assert timer.collect() == []
     # their four events are reused by the next passes: no new ones
     _pass(timer, 6, 1.0)
@@ -67,7 +67,7 @@ def test_unread_passes_are_capped():
     ends = [_pass(timer, b, 1.0)[1] for b in range(1, 6)]
     for e in ends:
         e.done = True
-    assert [b for b, _ in timer.collect()] == [3, 4, 5] and timer.dropped == 2
+    assert [b for b, _, _ in timer.collect()] == [3, 4, 5] and timer.dropped == 2
 
 
 @pytest.fixture
@@ -86,22 +86,26 @@ def seam(monkeypatch):
     monkeypatch.setattr(up.torch.cuda, "Event", lambda enable_timing: FakeEvent())
     forward = up._forward(lambda self, fb: calls.append(("pass", fb.batch_size)) or "out", None)
 
-    def run(decode: bool, batch: int, capture: bool = False):
+    def run(decode: bool, batch: int, capture: bool = False, mixed: bool = False, idle: bool = False):
         capturing[0] = capture
-        mode = SimpleNamespace(is_decode=lambda: decode)
+        mode = SimpleNamespace(is_decode=lambda: decode, is_mixed=lambda: mixed,
+                               is_extend=lambda: not decode and not idle)
         return forward(None, SimpleNamespace(batch_size=batch, forward_mode=mode))
 
     return run, calls, runtime
 
 
-def test_the_forward_seam_times_decode_passes_only(seam):
+def test_the_forward_seam_times_passes_with_their_kind_but_not_captures(seam):
     run, calls, _ = seam
     assert run(True, 7) == "out"
-    run(False, 2048)  # a prefill
+    run(False, 12)  # a prefill of 12 requests
+    run(False, 40, mixed=True)  # a prefill carrying the running decodes
+    run(False, 0, idle=True)  # an idle pass (TP/DP padding): nothing to count
     run(True, 8, capture=True)  # a graph being captured: events may not be recorded there
     timer = pass_timer.current()
-    assert [(b, e.t - s.t) for b, s, e in timer._pending] == [(7, 0.0)]
-    assert calls == ["begin", ("pass", 7), "end", "begin", ("pass", 2048), "end", "begin", ("pass", 8), "end"]
+    assert [(b, k) for b, k, s, e in timer._pending] == [(7, "decode"), (12, "extend"), (40, "mixed")]
+    assert calls == ["begin", ("pass", 7), "end", "begin", ("pass", 12), "end", "begin", ("pass", 40), "end",
+                     "begin", ("pass", 0), "end", "begin", ("pass", 8), "end"]
 
 
 def test_no_timer_without_a_trace_or_off_cuda(seam):
@@ -116,7 +120,7 @@ def test_the_step_record_carries_the_gpu_times(monkeypatch, tmp_path):
     st = elastic._StepTiming
     for name, value in (("clock", None), ("last", None), ("before_last", False), ("reads_key", None),
                         ("reads", 0.0), ("rounds", 0), ("pending", None), ("gpu_pending", []),
-                        ("REFIT_ROUNDS", 4)):
+                        ("passes_pending", []), ("REFIT_ROUNDS", 4), ("DUMP_S", 1e9), ("dumped", 0.0)):
         monkeypatch.setattr(st, name, value)
     timer = pass_timer.PassTimer(FakeEvent)
     monkeypatch.setattr(pass_timer, "_TIMER", timer)
@@ -138,3 +142,36 @@ def test_the_step_record_carries_the_gpu_times(monkeypatch, tmp_path):
     # finished by then), the dump closes round 3; then rounds 4-7 and their passes
     assert [len(line["steps"]) for line in lines] == [2, 4]
     assert [line["gpu"] for line in lines] == [[[4, 9.0]] * 3, [[4, 9.0]] * 4]
+
+
+def test_prefill_passes_go_under_passes_and_the_record_is_written_every_dump_s(monkeypatch, tmp_path):
+    """Rounds a second apart (a pass with experts out): the record is written every DUMP_S
+    seconds, not only every REFIT_ROUNDS rounds; mixed and extend passes under "passes"."""
+    st = elastic._StepTiming
+    for name, value in (("clock", None), ("last", None), ("before_last", False), ("reads_key", None),
+                        ("reads", 0.0), ("rounds", 0), ("pending", None), ("gpu_pending", []),
+                        ("passes_pending", []), ("REFIT_ROUNDS", 256), ("DUMP_S", 2.5), ("dumped", 0.0)):
+        monkeypatch.setattr(st, name, value)
+    timer = pass_timer.PassTimer(FakeEvent)
+    monkeypatch.setattr(pass_timer, "_TIMER", timer)
+    now = [0.0]
+    monkeypatch.setattr(elastic.time, "monotonic", lambda: now[0])
+    adjuster = SimpleNamespace(cost=CostModel(expert_ms=0.3, base_ms=5.9, per_request_ms=0.17), last_seq=0,
+                               in_flight=(), offloaded_token_probabilities=lambda: [])
+    ctl = SimpleNamespace(adjuster=adjuster, trace_path=str(tmp_path / "e_trace.jsonl"))
+    scheduler = SimpleNamespace(tp_group=SimpleNamespace(world_size=1))
+    decode = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: True), reqs=[None] * 4)
+    mixed = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: False), reqs=[None] * 6)
+    for i, batch in enumerate([decode, decode, decode, mixed, decode, decode, decode]):
+        st.round(scheduler, ctl, batch)
+        kind = "decode" if batch is decode else "mixed"
+        _, end = _pass(timer, len(batch.reqs), 900.0, kind)
+        end.done = True
+        now[0] += 1.0
+    lines = [json.loads(x) for x in (tmp_path / "e_trace.steps.jsonl").read_text().splitlines()]
+    # round 2 (t=2 s) times the first step and opens the record, under DUMP_S since 0; round 3
+    # (the mixed one, t=3 s) writes it with the first three passes; round 6 (t=6 s) times the
+    # next step (the first decode interval after a prefill is never timed) and writes again
+    assert [len(line["steps"]) for line in lines] == [1, 1]
+    assert [line["passes"] for line in lines] == [[], [["mixed", 6, 900.0]]]
+    assert [len(line["gpu"]) for line in lines] == [3, 2]

@@ -41,3 +41,15 @@ def test_summary_of_a_trace(tmp_path):
     assert s["span_ms"] == 2.0 and s["busy_ms"] == 1.0  # 0-500, 1000-1400, 1900-2000
     assert s["top"][0] == {"name": "kernel: fused_moe_kernel", "count": 2, "total_ms": 0.8}
     assert [r["name"] for r in s["top"][1:]] == ["gpu_memcpy: Memcpy HtoD (Pinned -> Device)", "kernel: attention"]
+
+
+def test_numa_pages_sum_each_node_over_the_process_tree(tmp_path):
+    import os
+
+    m = load()
+    (tmp_path / "maps").write_text(
+        "7f00 default anon=10 dirty=10 N0=6 N1=4 kernelpagesize_kB=4\n"
+        "7f80 bind:1 anon=512 N1=512 kernelpagesize_kB=2048\n"  # huge pages count their size
+        "7fff default file=/lib/x.so mapped=3 N0=3 kernelpagesize_kB=4\n")
+    got = m.numa_pages_mib(os.getpid(), numa_maps=str(tmp_path / "maps"))
+    assert got == {"N0": (9 * 4096) >> 20, "N1": (4 * 4096 + 512 * 2 * 2**20) >> 20}  # 0 and 1024 MiB

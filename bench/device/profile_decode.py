@@ -47,6 +47,34 @@ def busy_union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def numa_pages_mib(pid: int, numa_maps: str = "/proc/{pid}/numa_maps") -> dict[str, int]:
+    """MiB of host memory on each NUMA node, over process ``pid`` and its children (the
+    scheduler holds the pinned experts): which node the in-place reads come from."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return {}
+    pages: dict[str, int] = defaultdict(int)
+    for p in procs:
+        try:
+            text = open(numa_maps.format(pid=p.pid)).read()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            fields = line.split()
+            size = 4096
+            for f in fields:
+                if f.startswith("kernelpagesize_kB="):
+                    size = int(f.split("=")[1]) * 1024
+            for f in fields:
+                if f[:1] == "N" and "=" in f and f[1:].split("=")[0].isdigit():
+                    node, n = f.split("=")
+                    pages[node] += int(n) * size
+    return {node: b >> 20 for node, b in sorted(pages.items())}
+
+
 def summarize(trace_path: Path, top: int = 15) -> dict:
     """Kernel and copy time of a Chrome trace written by torch's profiler (microseconds)."""
     opener = gzip.open if trace_path.suffix == ".gz" else open
@@ -105,6 +133,8 @@ def main() -> None:
         pool = cf.ThreadPoolExecutor(args.batch)
         futs = [pool.submit(requests.post, srv.url + "/generate", json=body(p), timeout=3600) for p in prompts]
         time.sleep(args.warm_s)
+        numa = numa_pages_mib(srv.proc.pid)
+        print("host memory by NUMA node (MiB):", numa, flush=True)
         r = requests.post(srv.url + "/start_profile", json={"output_dir": str(out), "num_steps": args.steps,
                                                              "activities": args.activities.split(",")}, timeout=600)
         print("start_profile:", r.status_code, r.text[:200], flush=True)
@@ -118,7 +148,7 @@ def main() -> None:
                 if size == [t.stat().st_size for t in traces]:
                     break
             time.sleep(2)
-        res = {"batch": args.batch, "steps": args.steps, "server_args": flags,
+        res = {"batch": args.batch, "steps": args.steps, "server_args": flags, "numa_mib": numa,
                "traces": [summarize(t) for t in traces]}
         (out / "summary.json").write_text(json.dumps(res, indent=1))
         for t in res["traces"]:

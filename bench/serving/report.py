@@ -38,8 +38,11 @@ def row(r: dict) -> str:
     mem = f"{r['peak_process_mib'] / 1024:.1f} / {r['card_gib']:.0f}"
     host = f"{r['peak_host_rss_mib'] / 1024:.1f}" if "peak_host_rss_mib" in r else "-"
     moves = f"{tr.get('evicted', 0)} / {tr.get('restored', 0)}" if tr else "-"
-    # a run stopped at its budget has no bench_serving summary: SGLang's decode log is all there is
+    # a run stopped at its budget has no bench_serving summary: the elastic step record's
+    # passes (every token, prefill passes carrying decodes included), else SGLang's decode log
+    pt = r.get("pass_tokens")
     tput = (f"{b['output_throughput']:.0f}" if "output_throughput" in b
+            else f"~{pt['tok_s']:.0f} (pass record)" if pt and pt.get("tok_s")
             else f"~{lg.get('gen_tok_s_mean', 0):.0f} (decode log)")
     return (f"| {r['name']} | {r['card_gib']:.0f} GB | {done} | {b.get('duration', 0):.1f} | "
             f"{tput} | {b.get('median_ttft_ms', 0) / 1e3:.2f} / "

@@ -177,6 +177,28 @@ def step_summary(path: Path, width: int = 8) -> list[list] | None:
             for k, xs in sorted(buckets.items())]
 
 
+def pass_tokens(path: Path, t_from: float) -> dict | None:
+    """Output tokens the timed passes made after ``t_from`` (wall clock), from the step
+    record's ``"gpu"`` (decode: one token per request) and ``"passes"`` rows (extend and
+    mixed: one per request, so at most one too many per pass for the request whose
+    prompt chunk was not its last): a run stopped at its budget has no bench_serving
+    figures, and with prefill passes carrying the decodes SGLang's decode log misses them.
+    ``seconds`` runs from ``t_from`` to the last record written."""
+    if not path.exists():
+        return None
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    lines = [x for x in lines if x["t"] > t_from]
+    if not lines:
+        return None
+    decode = [b for x in lines for b, _ in x.get("gpu", [])]
+    prefill = [(kind, b) for x in lines for kind, b, _ in x.get("passes", [])]
+    tokens = sum(decode) + sum(b for _, b in prefill)
+    seconds = lines[-1]["t"] - t_from
+    return {"tokens": tokens, "seconds": round(seconds, 1), "tok_s": round(tokens / seconds, 1) if seconds > 0 else None,
+            "decode_passes": len(decode), "mixed_passes": sum(k == "mixed" for k, _ in prefill),
+            "extend_passes": sum(k == "extend" for k, _ in prefill)}
+
+
 def trace_summary(path: Path) -> dict | None:
     if not path.exists():
         return None
@@ -281,6 +303,7 @@ def main() -> None:
         "card_mib": args.card_gb * 1024, "gpu_mem_series": sampler.samples[::4],
         "trace": trace_summary(trace),
         "steps": step_summary(Path(step_record_path(str(trace)))),
+        "pass_tokens": pass_tokens(Path(step_record_path(str(trace))), t0),
         "tracebacks": log.count("Traceback"),
         "bench_log_tail": bench_log[-1500:],
     }
@@ -296,7 +319,10 @@ def main() -> None:
           + (f"; trace: {res['trace']['evicted']} out / {res['trace']['restored']} in, min resident "
              f"{res['trace']['min_resident']}" if res["trace"] else "")
           + (f" ; STOPPED AT BUDGET (SGLang's decode log: mean {res['log']['gen_tok_s_mean']} tok/s over "
-             f"{res['log']['gen_tok_s_lines']} lines)" if stopped else ""), flush=True)
+             f"{res['log']['gen_tok_s_lines']} lines)" if stopped else "")
+          + (f"; pass record: {pt['tokens']} tokens in {pt['seconds']} s = {pt['tok_s']} tok/s "
+             f"({pt['decode_passes']} decode, {pt['mixed_passes']} mixed, {pt['extend_passes']} extend passes)"
+             if (pt := res["pass_tokens"]) else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -268,17 +268,23 @@ class _StepTiming:
     decode steps of ~10 ms, and made one more request look free: bench/RESULTS.md).
     With ``--rimuru-adjuster-trace PATH`` every timed step is also written, every
     ``REFIT_ROUNDS`` rounds, to ``step_record_path(PATH)`` (one JSON line of
-    ``[batch, ms, expected reads]`` rows, and under ``"gpu"`` the ``[batch, GPU ms]``
-    of the decode passes finished since the last dump, ``pass_timer.py``): the
-    per-step record that checks the cost model's price of one more request, and
-    whether the GPU or the CPU set a step (a server stopped between two dumps
-    loses fewer than ``REFIT_ROUNDS`` rounds of it). Every ``REFIT_ROUNDS`` rounds the
+    ``[batch, ms, expected reads]`` rows, under ``"gpu"`` the ``[batch, GPU ms]``
+    of the decode passes finished since the last dump, and under ``"passes"`` the
+    ``[kind, batch, GPU ms]`` of the prefill passes, extend or mixed:
+    ``pass_timer.py``): the per-step record that checks the cost model's price of
+    one more request, whether the GPU or the CPU set a step, and how many tokens
+    the passes made (a run stopped at its budget still has them). It is also
+    written once ``DUMP_S`` has passed since the last write (passes of a second
+    make 256 rounds minutes long): a server stopped between two writes loses at
+    most that much of it. Every ``REFIT_ROUNDS`` rounds the
     fit (step line and per-expert PCIe time) replaces the cost model's; at TP > 1
     rank 0's fit is broadcast over SGLang's TP CPU group so that every rank
     plans with the same numbers (the orders must agree).
     """
 
     REFIT_ROUNDS = 256
+    DUMP_S = 20.0
+    dumped = float("-inf")
     LOG_S = 60.0  # the fit's log line, at most this often
     logged = float("-inf")
     clock = None
@@ -289,6 +295,7 @@ class _StepTiming:
     rounds = 0
     pending: list | None = None  # [batch, ms, reads] timed since the last dump (with a trace)
     gpu_pending: list = []  # [batch, GPU ms] of decode passes since the last dump (with a trace, on CUDA)
+    passes_pending: list = []  # [kind, batch, GPU ms] of extend and mixed passes since then
 
     @classmethod
     def round(cls, scheduler, ctl, batch) -> None:
@@ -318,16 +325,23 @@ class _StepTiming:
                     open(step_record_path(ctl.trace_path), "w").close()  # one record per server run
                 cls.pending.append([cls.last[1], round(ms, 3), round(reads, 2)])
         if ctl.trace_path and cls.pending is not None and (timer := pass_timer.current()) is not None:
-            cls.gpu_pending += timer.collect()
+            for b, ms, kind in timer.collect():
+                if kind == "decode":
+                    cls.gpu_pending.append([b, ms])
+                else:
+                    cls.passes_pending.append([kind, b, ms])
         cls.before_last = cls.last is not None
         cls.last = (now, len(batch.reqs)) if decode else None
         cls.rounds += 1
-        if cls.rounds % cls.REFIT_ROUNDS:
-            return
-        if cls.pending:
+        refit = cls.rounds % cls.REFIT_ROUNDS == 0
+        if (refit or now - cls.dumped >= cls.DUMP_S) and (cls.pending or cls.gpu_pending or cls.passes_pending):
+            cls.dumped = now
             with open(step_record_path(ctl.trace_path), "a") as f:
-                f.write(json.dumps({"t": time.time(), "steps": cls.pending, "gpu": cls.gpu_pending}) + "\n")
-            cls.pending, cls.gpu_pending = [], []
+                f.write(json.dumps({"t": time.time(), "steps": cls.pending, "gpu": cls.gpu_pending,
+                                    "passes": cls.passes_pending}) + "\n")
+            cls.pending, cls.gpu_pending, cls.passes_pending = [], [], []
+        if not refit:
+            return
         fit = cls.clock.fit()
         group = scheduler.tp_group
         if group.world_size > 1:

@@ -1,4 +1,4 @@
-"""GPU time of each decode forward pass, beside the step record's wall time.
+"""GPU time of each forward pass, beside the step record's wall time.
 
 The step record (``--rimuru-adjuster-trace``: ``_StepTiming`` in ``elastic.py``)
 times a decode step as the wall time between two decode rounds: under the overlap
@@ -8,7 +8,10 @@ uniform Qwen3-30B-A3B step took 1,043 ms where its in-place reads alone take
 CPU held the rest. This keeps what the GPU itself spent: two CUDA events around
 ``ModelRunner.forward`` (graph replay included; never while a graph is being
 captured), read once the end event has completed, without waiting. A pass whose
-GPU time is well under its round's wall time was held up by the CPU.
+GPU time is well under its round's wall time was held up by the CPU. Prefill
+passes (extend, and mixed ones that carry the running decodes:
+``mixed_decodes.py``) are timed too, with their kind: decode steps alone no
+longer count the tokens a server makes when prefill passes advance the decodes.
 
 Written by the ``experts.forward_pass`` seam (the forward thread), read by
 ``_StepTiming`` (the scheduler's round): deque appends and pops are atomic.
@@ -23,7 +26,7 @@ __all__ = ["PassTimer", "current", "timer_for"]
 
 
 class PassTimer:
-    """Start and end events of the decode passes still on the GPU, and their times once done.
+    """Start and end events of the passes still on the GPU, and their times once done.
 
     ``new_event()`` makes an event with ``record()``, ``query()`` and
     ``elapsed_time(end)`` (``torch.cuda.Event(enable_timing=True)``; tests pass
@@ -45,32 +48,33 @@ class PassTimer:
         except IndexError:
             return self._new_event()
 
-    def begin(self, batch: int) -> tuple:
-        """Before a decode pass is enqueued: its start event, recorded on the current stream."""
+    def begin(self, batch: int, kind: str = "decode") -> tuple:
+        """Before a pass of ``batch`` requests is enqueued (``kind``: decode, extend or
+        mixed): its start event, recorded on the current stream."""
         start = self._event()
         start.record()
-        return batch, start
+        return batch, kind, start
 
     def end(self, token: tuple) -> None:
         """After the pass is enqueued: its end event, after the pass's last kernel."""
-        batch, start = token
+        batch, kind, start = token
         end = self._event()
         end.record()
-        self._pending.append((batch, start, end))
+        self._pending.append((batch, kind, start, end))
         while len(self._pending) > self.max_pending:
             self._pending.popleft()
             self.dropped += 1
 
     def collect(self) -> list[list]:
-        """``[batch, GPU ms]`` of the passes finished since the last call, in order (stops at
-        the first still running: passes on one stream finish in order)."""
+        """``[batch, GPU ms, kind]`` of the passes finished since the last call, in order (stops
+        at the first still running: passes on one stream finish in order)."""
         out = []
         while self._pending:
-            batch, start, end = self._pending[0]
+            batch, kind, start, end = self._pending[0]
             if not end.query():
                 break
             self._pending.popleft()
-            out.append([batch, round(start.elapsed_time(end), 3)])
+            out.append([batch, round(start.elapsed_time(end), 3), kind])
             self._free += [start, end]
         return out
 

@@ -239,3 +239,19 @@ def test_the_per_step_record_is_bucketed_and_set_beside_the_cost_model(tmp_path)
     assert "| elastic24-old | 9-16 | 2 | 32.00 | - | - | 45.0 |" in out
     assert "off24" not in out
     assert report.steps([{"name": "off24"}]) == "(no run has a per-step record)"
+
+
+def test_a_stopped_run_counts_its_tokens_from_the_pass_record(tmp_path):
+    """run_one's pass_tokens: decode passes give one token per request, extend and mixed
+    passes one per request too; records written before the traffic began are left out."""
+    run_one = _serving_module("run_one")
+    path = tmp_path / "e_trace.steps.jsonl"
+    path.write_text(json.dumps({"t": 5.0, "steps": [], "gpu": [[1, 40.0]] * 30}) + "\n"  # warmup
+                    + json.dumps({"t": 30.0, "steps": [], "gpu": [[100, 1000.0], [101, 1010.0]],
+                                  "passes": [["mixed", 104, 1400.0], ["extend", 3, 900.0]]}) + "\n"
+                    + json.dumps({"t": 50.0, "steps": [[99, 990.0, 4000.0]], "gpu": [[99, 990.0]]}) + "\n")
+    got = run_one.pass_tokens(path, t_from=10.0)
+    assert got == {"tokens": 100 + 101 + 104 + 3 + 99, "seconds": 40.0, "tok_s": round(407 / 40, 1),
+                   "decode_passes": 3, "mixed_passes": 1, "extend_passes": 1}
+    assert run_one.pass_tokens(path, t_from=60.0) is None
+    assert run_one.pass_tokens(tmp_path / "missing.steps.jsonl", t_from=0.0) is None

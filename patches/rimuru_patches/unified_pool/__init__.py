@@ -141,9 +141,12 @@ def _forward(orig, ctx):
         runtime.manager.begin_forward()
         if runtime.elastic is not None:  # this round's migration order rides along this pass
             runtime.elastic.before_forward()
-        # a decode pass's GPU time, for the step record (elastic with a trace; pass_timer.py)
+        # each pass's GPU time and kind, for the step record (elastic with a trace; pass_timer.py)
         timer = pass_timer.timer_for(runtime)
-        timed = (timer.begin(forward_batch.batch_size) if timer is not None and forward_batch.forward_mode.is_decode()
+        mode = forward_batch.forward_mode
+        timed = (timer.begin(forward_batch.batch_size,
+                             "decode" if mode.is_decode() else "mixed" if mode.is_mixed() else "extend")
+                 if timer is not None and (mode.is_decode() or mode.is_extend())
                  and not torch.cuda.is_current_stream_capturing() else None)
         try:
             return orig(self, forward_batch, *args, **kwargs)
