@@ -68,6 +68,8 @@ for run in ${RUNS:-static32 elastic32}; do
     # issue 12's Qwen3-30B-A3B target on one 32 GB card (54 GiB of experts, 9 MiB each, 128 a layer):
     # SGLang --cpu-offload-gb N (the anchor: N = 32), static with N of 128 resident, elastic
     q3offload32_*) gb=${run#q3offload32_}; one "$run" 32 q3 -- --cpu-offload-gb "$gb" ;;
+    # the anchor with SGLang's mixed chunked prefill: the choice the pool modes make while experts are out
+    q3offload32m) one q3offload32m 32 q3 -- --cpu-offload-gb 32 --enable-mixed-chunk ;;
     q3static32r*) n=${run#q3static32r}; one "$run" 32 q3 -- --rimuru-mode static --rimuru-resident-experts "$n" --rimuru-expert-offload-limit $(( 128 - n )) ;;
     q3elastic32)  one q3elastic32 32 q3 -- --rimuru-mode elastic --rimuru-expert-offload-limit 112 ;;
     # issue 14 (nvidia-h200-x2): Qwen3-30B-A3B at TP=2 on two 24 GB cards (27 GiB of experts per rank)
