@@ -29,6 +29,18 @@ Server = LocalServer
 CHECKED_SGLANG = {"SGLANG_ENABLE_ASYNC_ASSERT": "1"}
 
 
+def bench_module(relpath: str):
+    """A script under bench/ (not a package) loaded as a module by its path, e.g.
+    ``bench_module("device/profile_decode.py")``."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / relpath
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def start_server(args: list[str], log_path: Path, env: dict | None = None) -> Server:
     return start_local_server(args, log_path, timeout=STARTUP_TIMEOUT_S, env={**CHECKED_SGLANG, **(env or {})})
 

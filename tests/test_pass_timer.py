@@ -115,12 +115,13 @@ def test_no_timer_without_a_trace_or_off_cuda(seam):
     assert pass_timer.current() is None
 
 
-def test_the_step_record_carries_the_gpu_times(monkeypatch, tmp_path):
-    """_StepTiming writes the passes finished since its last dump under "gpu"."""
+def _step_timing(monkeypatch, tmp_path, refit_rounds: int, dump_s: float):
+    """_StepTiming from a clean state, a fake-event timer, a settable clock (``now[0]``) and
+    stand-ins for the controller (trace at ``tmp_path/e_trace.jsonl``) and the scheduler."""
     st = elastic._StepTiming
     for name, value in (("clock", None), ("last", None), ("before_last", False), ("reads_key", None),
                         ("reads", 0.0), ("rounds", 0), ("pending", None), ("gpu_pending", []),
-                        ("passes_pending", []), ("REFIT_ROUNDS", 4), ("DUMP_S", 1e9), ("dumped", 0.0)):
+                        ("passes_pending", []), ("REFIT_ROUNDS", refit_rounds), ("DUMP_S", dump_s), ("dumped", 0.0)):
         monkeypatch.setattr(st, name, value)
     timer = pass_timer.PassTimer(FakeEvent)
     monkeypatch.setattr(pass_timer, "_TIMER", timer)
@@ -128,9 +129,13 @@ def test_the_step_record_carries_the_gpu_times(monkeypatch, tmp_path):
     monkeypatch.setattr(elastic.time, "monotonic", lambda: now[0])
     adjuster = SimpleNamespace(cost=CostModel(expert_ms=0.3, base_ms=5.9, per_request_ms=0.17), last_seq=0,
                                in_flight=(), offloaded_token_probabilities=lambda: [])
-    trace = tmp_path / "e_trace.jsonl"
-    ctl = SimpleNamespace(adjuster=adjuster, trace_path=str(trace))
-    scheduler = SimpleNamespace(tp_group=SimpleNamespace(world_size=1))
+    ctl = SimpleNamespace(adjuster=adjuster, trace_path=str(tmp_path / "e_trace.jsonl"))
+    return st, timer, now, ctl, SimpleNamespace(tp_group=SimpleNamespace(world_size=1))
+
+
+def test_the_step_record_carries_the_gpu_times(monkeypatch, tmp_path):
+    """_StepTiming writes the passes finished since its last dump under "gpu"."""
+    st, timer, now, ctl, scheduler = _step_timing(monkeypatch, tmp_path, refit_rounds=4, dump_s=1e9)
     batch = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: True), reqs=[None] * 4)
     for i in range(8):
         st.round(scheduler, ctl, batch)
@@ -147,19 +152,7 @@ def test_the_step_record_carries_the_gpu_times(monkeypatch, tmp_path):
 def test_prefill_passes_go_under_passes_and_the_record_is_written_every_dump_s(monkeypatch, tmp_path):
     """Rounds a second apart (a pass with experts out): the record is written every DUMP_S
     seconds, not only every REFIT_ROUNDS rounds; mixed and extend passes under "passes"."""
-    st = elastic._StepTiming
-    for name, value in (("clock", None), ("last", None), ("before_last", False), ("reads_key", None),
-                        ("reads", 0.0), ("rounds", 0), ("pending", None), ("gpu_pending", []),
-                        ("passes_pending", []), ("REFIT_ROUNDS", 256), ("DUMP_S", 2.5), ("dumped", 0.0)):
-        monkeypatch.setattr(st, name, value)
-    timer = pass_timer.PassTimer(FakeEvent)
-    monkeypatch.setattr(pass_timer, "_TIMER", timer)
-    now = [0.0]
-    monkeypatch.setattr(elastic.time, "monotonic", lambda: now[0])
-    adjuster = SimpleNamespace(cost=CostModel(expert_ms=0.3, base_ms=5.9, per_request_ms=0.17), last_seq=0,
-                               in_flight=(), offloaded_token_probabilities=lambda: [])
-    ctl = SimpleNamespace(adjuster=adjuster, trace_path=str(tmp_path / "e_trace.jsonl"))
-    scheduler = SimpleNamespace(tp_group=SimpleNamespace(world_size=1))
+    st, timer, now, ctl, scheduler = _step_timing(monkeypatch, tmp_path, refit_rounds=256, dump_s=2.5)
     decode = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: True), reqs=[None] * 4)
     mixed = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: False), reqs=[None] * 6)
     for i, batch in enumerate([decode, decode, decode, mixed, decode, decode, decode]):

@@ -3,18 +3,13 @@ kernels and copies (streams overlap), the idle rest is the GPU waiting for the h
 profiling itself needs the H200 (a device call runs it)."""
 
 import gzip
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import bench_module
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("profile_decode", ROOT / "bench" / "device" / "profile_decode.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("device/profile_decode.py")
 
 
 def test_busy_union_counts_overlaps_once():

@@ -3,17 +3,11 @@
 fails ("invalid argument") where it straddles two registrations, so every expert slot must
 fall inside one piece. The rest of the script needs a GPU (the device call runs it)."""
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import bench_module
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("zero_copy_scale", ROOT / "bench" / "kernel" / "zero_copy_scale.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module("kernel/zero_copy_scale.py")
 
 
 def test_chunk_ranges_cover_the_region_and_keep_every_slot_whole():
