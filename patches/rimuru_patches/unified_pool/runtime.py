@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 
 import torch
 
@@ -159,6 +160,7 @@ class RimuruRuntime:
         self.layer_ids = frozenset(shape.layer_ids)
         #: the elastic mode's ``ElasticController`` (None in static mode)
         self.elastic = elastic
+        self._stats_logged = time.monotonic()  # log_stats_every's last line
 
     @property
     def kv_id_limit(self) -> int:
@@ -464,11 +466,15 @@ class RimuruRuntime:
 
     # -- forward ----------------------------------------------------------
 
-    def log_stats_every(self, forwards: int) -> None:
-        """One line of expert traffic every ``forwards`` forward passes."""
+    def log_stats_every(self, forwards: int, seconds: float = 60.0) -> None:
+        """One line of expert traffic every ``forwards`` forward passes, or after a pass once
+        ``seconds`` have gone by since the last line (passes that read offloaded experts
+        take ~1 s at Qwen3-30B-A3B's shape: 500 of them outlast a benchmark run)."""
         stats = self.manager.stats()
-        if stats.forwards % forwards:
+        now = time.monotonic()
+        if stats.forwards % forwards and now - self._stats_logged < seconds:
             return
+        self._stats_logged = now
         logger.info(
             "sglang-rimuru experts after %d forwards: %d prefetched, %d prefetch hits (%.0f%%), "
             "%d on-demand loads, %.1f MiB copied host->device; %d layer calls read offloaded experts "

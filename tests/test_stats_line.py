@@ -1,0 +1,25 @@
+"""The expert-traffic log line (``RimuruRuntime.log_stats_every``): every N forward passes,
+and also once a minute of passes, since passes that read offloaded experts can take a
+second each (500 of them outlast a benchmark run)."""
+
+import logging
+from types import SimpleNamespace
+
+from rimuru_patches.unified_pool import runtime as rt
+from sglang_rimuru.experts.manager import ExpertStats
+
+
+def test_the_stats_line_comes_every_n_passes_or_once_a_minute(monkeypatch, caplog):
+    now = [100.0]
+    monkeypatch.setattr(rt.time, "monotonic", lambda: now[0])
+    stats = [ExpertStats()]
+    fake = SimpleNamespace(manager=SimpleNamespace(stats=lambda: stats[0]), _stats_logged=100.0)
+    lines = []
+    for forwards, t in [(1, 101.0), (2, 150.0), (3, 161.0), (4, 170.0), (10, 175.0), (11, 230.0), (12, 240.0)]:
+        stats[0], now[0] = ExpertStats(forwards=forwards), t
+        with caplog.at_level(logging.INFO, logger=rt.logger.name):
+            caplog.clear()
+            rt.RimuruRuntime.log_stats_every(fake, 5)
+            lines += [forwards for r in caplog.records if "experts after" in r.getMessage()]
+    # 3: a minute after the start; 10: a multiple of 5 (and it restarts the minute); 12: a minute after 10
+    assert lines == [3, 10, 12]
