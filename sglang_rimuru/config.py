@@ -216,7 +216,7 @@ class RimuruConfig:
             choices=MIX_DECODES,
             default=RimuruConfig.mix_decodes,
             help="When a prefill pass also advances the running decode requests (SGLang's mixed "
-            "chunked prefill). 'offloaded' (default): while any routed expert is offloaded, since "
+            "chunked prefill). 'offloaded' (default): on a GPU, while any routed expert is offloaded, since "
             "every pass then reads each offloaded expert over PCIe once, and a prefill pass that "
             "carries the decodes saves them a pass of their own; with every expert resident, as "
             "SGLang's --enable-mixed-chunk says. Not under --enable-deterministic-inference. "

@@ -1,6 +1,6 @@
-"""--rimuru-mix-decodes offloaded: when a prefill pass carries the running decodes
-(the seam sets SGLang's ``is_mixed_chunk`` each round; tests/server/test_elastic.py
-serves it, with outputs equal to mode off)."""
+"""--rimuru-mix-decodes offloaded: when a prefill pass carries the running decodes (the
+seam sets SGLang's ``is_mixed_chunk`` each round; on a GPU only: tests/server/test_elastic.py
+checks that a CPU server never mixes, the H200 runs serve it)."""
 
 import pytest
 
@@ -10,13 +10,14 @@ from sglang_rimuru.config import RimuruConfig
 
 def test_mixing_follows_the_offloaded_experts():
     # SGLang's own --enable-mixed-chunk always wins
-    assert mix_now(True, chunked=True, deterministic=False, all_resident=True)
-    assert mix_now(True, chunked=True, deterministic=True, all_resident=False)
-    # otherwise only while some expert is offloaded, with chunked prefill, not deterministic
-    assert mix_now(False, chunked=True, deterministic=False, all_resident=False)
-    assert not mix_now(False, chunked=True, deterministic=False, all_resident=True)
-    assert not mix_now(False, chunked=False, deterministic=False, all_resident=False)
-    assert not mix_now(False, chunked=True, deterministic=True, all_resident=False)
+    assert mix_now(True, chunked=True, deterministic=False, all_resident=True, on_gpu=False)
+    assert mix_now(True, chunked=True, deterministic=True, all_resident=False, on_gpu=True)
+    # otherwise only on a GPU while some expert is offloaded, with chunked prefill, not deterministic
+    assert mix_now(False, chunked=True, deterministic=False, all_resident=False, on_gpu=True)
+    assert not mix_now(False, chunked=True, deterministic=False, all_resident=False, on_gpu=False)
+    assert not mix_now(False, chunked=True, deterministic=False, all_resident=True, on_gpu=True)
+    assert not mix_now(False, chunked=False, deterministic=False, all_resident=False, on_gpu=True)
+    assert not mix_now(False, chunked=True, deterministic=True, all_resident=False, on_gpu=True)
 
 
 def test_the_flag_needs_a_pool_mode_and_a_known_choice():

@@ -18,6 +18,15 @@ return logprobs). Nothing changes while every expert is resident; never under
 ``--enable-deterministic-inference``, whose batch-invariant outputs assume
 SGLang's own batches. TP ranks hold the same residency (the order agreement), so
 they decide alike.
+
+GPU only: on CPU an offloaded expert costs no PCIe time (host memory is the memory the
+CPU computes from), and SGLang 0.5.17's CPU attention (``torch_native``) cannot run a
+mixed batch under the overlap scheduler: ``mix_with_running`` gives the running
+requests a prefix length that already counts their pending token (``delta = 0``), and
+``_run_sdpa_forward_extend`` then slices an empty output for them (a RuntimeError
+that stops the scheduler; seen in tests/server/test_api.py's elastic burst). The H200
+runs (triton attention) served mixed batches under the overlap scheduler without an
+error (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -34,11 +43,11 @@ def _on(ctx: ProcessContext) -> bool:
     return ctx.rimuru.get("mode", "off") != "off" and ctx.rimuru.get("mix_decodes", "offloaded") == "offloaded"
 
 
-def mix_now(sglang_setting: bool, chunked: bool, deterministic: bool, all_resident: bool) -> bool:
+def mix_now(sglang_setting: bool, chunked: bool, deterministic: bool, all_resident: bool, on_gpu: bool) -> bool:
     """Whether this round's prefill batch carries the running decodes."""
     if sglang_setting:
         return True
-    return chunked and not deterministic and not all_resident
+    return on_gpu and chunked and not deterministic and not all_resident
 
 
 def _offloaded_mixing(orig, ctx):
@@ -51,7 +60,8 @@ def _offloaded_mixing(orig, ctx):
         resident = runtime is None or runtime.residency.all_resident()
         mix = mix_now(self._rimuru_mixed_chunk_sglang,
                       self.chunked_prefill_size is not None and self.chunked_prefill_size > 0,
-                      bool(self.server_args.enable_deterministic_inference), resident)
+                      bool(self.server_args.enable_deterministic_inference), resident,
+                      runtime is not None and runtime.device.type == "cuda")
         if mix != self.is_mixed_chunk and not self._rimuru_mixed_chunk_sglang:  # say when it changes
             logger.info("sglang-rimuru: prefill passes %s the running decodes (%s)",
                         "carry" if mix else "no longer carry",

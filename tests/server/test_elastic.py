@@ -107,10 +107,9 @@ def test_burst_evicts_experts_quiet_restores_them_outputs_equal_off(tmp_path, mo
     assert len(rounds) >= len(lines)
     assert "waiting requests" in rounds[0]
     assert "Traceback" not in log
-    # with experts out the burst's prefills carried the running decodes (--rimuru-mix-decodes
-    # offloaded), and stopped once every expert was back; the ids above are equal all the same
-    carry = log.index("sglang-rimuru: prefill passes carry the running decodes (experts offloaded)")
-    assert log.find("prefill passes no longer carry the running decodes (every expert resident)", carry) > carry
+    # on CPU prefill passes never carry the running decodes, experts out or not
+    # (--rimuru-mix-decodes offloaded is for a GPU: patches/rimuru_patches/mixed_decodes.py)
+    assert "prefill passes carry the running decodes" not in log
     # counters on SGLang's metrics endpoint
     assert 'sglang_rimuru:resident_experts{tp_rank="0"}' in metrics
     evictions = [ln for ln in metrics.splitlines() if ln.startswith("sglang_rimuru:evictions{")]
