@@ -39,12 +39,30 @@ def test_summary_of_a_trace(tmp_path):
 
 
 def test_numa_pages_sum_each_node_over_the_process_tree(tmp_path):
-    import os
+    """A parent and its child, each with its own map: both counted, each once. The tree is
+    one the test starts (pytest's own process may have children of its own)."""
+    import subprocess
+    import time
+
+    import psutil
 
     m = load()
-    (tmp_path / "maps").write_text(
-        "7f00 default anon=10 dirty=10 N0=6 N1=4 kernelpagesize_kB=4\n"
-        "7f80 bind:1 anon=512 N1=512 kernelpagesize_kB=2048\n"  # huge pages count their size
-        "7fff default file=/lib/x.so mapped=3 N0=3 kernelpagesize_kB=4\n")
-    got = m.numa_pages_mib(os.getpid(), numa_maps=str(tmp_path / "maps"))
-    assert got == {"N0": (9 * 4096) >> 20, "N1": (4 * 4096 + 512 * 2 * 2**20) >> 20}  # 0 and 1024 MiB
+    parent = subprocess.Popen(["sh", "-c", "sleep 60 & wait"])
+    try:
+        deadline = time.time() + 10
+        while not psutil.Process(parent.pid).children() and time.time() < deadline:
+            time.sleep(0.05)
+        (child,) = psutil.Process(parent.pid).children()
+        (tmp_path / f"maps-{parent.pid}").write_text(
+            "7f00 default anon=10 dirty=10 N0=6 N1=4 kernelpagesize_kB=4\n"
+            "7fff default file=/lib/x.so mapped=3 N0=3 kernelpagesize_kB=4\n")
+        (tmp_path / f"maps-{child.pid}").write_text(
+            "7f80 bind:1 anon=512 N1=512 kernelpagesize_kB=2048\n")  # huge pages count their size
+        got = m.numa_pages_mib(parent.pid, numa_maps=str(tmp_path / "maps-{pid}"))
+        assert got == {"N0": (9 * 4096) >> 20, "N1": (4 * 4096 + 512 * 2 * 2**20) >> 20}  # 0 and 1024 MiB
+        assert m.numa_pages_mib(child.pid, numa_maps=str(tmp_path / "maps-{pid}")) == {"N1": 1024}
+    finally:
+        for p in psutil.Process(parent.pid).children():
+            p.kill()
+        parent.kill()
+        parent.wait()
