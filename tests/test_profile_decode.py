@@ -66,3 +66,19 @@ def test_numa_pages_sum_each_node_over_the_process_tree(tmp_path):
             p.kill()
         parent.kill()
         parent.wait()
+
+
+def test_cpu_experts_bmm_is_each_expert_on_its_tokens():
+    """bench/device/cpu_experts.py times one batched matmul over a layer's slab (SGLang's
+    w13 [E, 2I, H] / w2 [E, H, I] layout): it must compute what each expert does alone."""
+    import torch
+
+    m = bench_module("device/cpu_experts.py")
+    torch.manual_seed(0)
+    w13, w2 = m.layer_slabs(hidden=16, inter=8, experts=3, layers=1, pin=False)
+    x = torch.randn(3, 2, 16, dtype=torch.bfloat16)
+    got = m.experts_bmm(x, w13[0], w2[0]).float()
+    for e in range(3):
+        g, u = (x[e].float() @ w13[0][e].float().T).chunk(2, dim=-1)
+        want = (torch.nn.functional.silu(g) * u) @ w2[0][e].float().T
+        torch.testing.assert_close(got[e], want, rtol=2e-2, atol=2e-3)
