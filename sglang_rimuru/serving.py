@@ -77,7 +77,7 @@ def wait_healthy(
 @dataclasses.dataclass
 class LocalServer:
     url: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen  # or what start_local_server's ``popen`` returned
     log_path: Path
 
     def log(self) -> str:
@@ -101,25 +101,30 @@ def launcher_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "sglang_rimuru.launch_server", *args]
 
 
+def popen_in_own_group(cmd: list[str], log_path: Path, env: dict) -> subprocess.Popen:
+    """The server's process: its own process group, stdout and stderr into ``log_path``."""
+    with open(log_path, "a") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
 def start_local_server(
-    args: list[str], log_path: str | Path, *, timeout: float = 300, env: dict | None = None
+    args: list[str], log_path: str | Path, *, timeout: float = 300, env: dict | None = None, popen=None
 ) -> LocalServer:
     """Start ``launch_server`` on a free loopback port with ``args`` and wait for /health.
 
     A port taken between picking and binding is retried on a new port (twice).
     On failure the server is stopped and ServerNotReady carries the log's tail.
+    ``popen(cmd, log_path, env)`` starts the process (default :func:`popen_in_own_group`;
+    the tests pass one that forks it from a pre-warmed interpreter); what it returns
+    needs ``pid``, ``returncode``, ``poll()`` and ``wait(timeout)`` as a Popen has.
     """
     log_path = Path(log_path)
+    popen = popen or popen_in_own_group
     for attempt in range(3):
         port = free_port()
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                launcher_cmd("--host", "127.0.0.1", "--port", str(port), *args),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env={**os.environ, **(env or {})},
-            )
+        log_path.write_text("")
+        proc = popen(launcher_cmd("--host", "127.0.0.1", "--port", str(port), *args), log_path,
+                     {**os.environ, **(env or {})})
         server = LocalServer(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
         try:
             wait_healthy(server.url, timeout, proc, log_path)

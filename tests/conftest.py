@@ -42,7 +42,10 @@ def bench_module(relpath: str):
 
 
 def start_server(args: list[str], log_path: Path, env: dict | None = None) -> Server:
-    return start_local_server(args, log_path, timeout=STARTUP_TIMEOUT_S, env={**CHECKED_SGLANG, **(env or {})})
+    """A server through the launcher, forked from the warm interpreter (saves the ~14 s
+    its imports of torch and the web stack take; SGLang's own processes start fresh)."""
+    return start_local_server(args, log_path, timeout=STARTUP_TIMEOUT_S, env={**CHECKED_SGLANG, **(env or {})},
+                              popen=warm_popen)
 
 
 @pytest.fixture(scope="session")
@@ -90,10 +93,99 @@ def run_dsl_program(server: Server, topics: list[str]) -> list[dict]:
     return [{"answer": st["answer"], "verdict": st["verdict"], "ideas": st["ideas"]} for st in states]
 
 
+class WarmPython:
+    """``tests/warm_python.py``: one interpreter that imported torch and the web stack
+    once, forking a child per command line (saves ~14 s a run). Started on first use,
+    killed when the test session's process exits."""
+
+    def __init__(self) -> None:
+        import atexit
+        import threading
+
+        self.lock = threading.Lock()
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "warm_python.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        atexit.register(self.proc.kill)
+        if '"ready"' not in (self.proc.stdout.readline() or ""):
+            raise RuntimeError(f"tests/warm_python.py did not start (exit {self.proc.poll()})")
+
+    def ask(self, msg: dict) -> dict:
+        import json
+
+        with self.lock:
+            self.proc.stdin.write(json.dumps(msg) + "\n")
+            self.proc.stdin.flush()
+            reply = self.proc.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"tests/warm_python.py exited ({self.proc.poll()})")
+        return json.loads(reply)
+
+    def run(self, args: list[str], *, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+        """What ``subprocess.run([sys.executable, *args], capture_output=True, text=True)``
+        returns; a run past ``timeout`` raises ``subprocess.TimeoutExpired`` as that would."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            res = self.ask({"args": list(args), "env": dict(os.environ if env is None else env), "cwd": os.getcwd(),
+                            "stdout": f"{d}/out", "stderr": f"{d}/err", "timeout": timeout})
+            out, err = Path(f"{d}/out").read_text(), Path(f"{d}/err").read_text()
+        if res["timed_out"]:
+            raise subprocess.TimeoutExpired([sys.executable, *args], timeout, out, err)
+        return subprocess.CompletedProcess([sys.executable, *args], res["rc"], out, err)
+
+
+class WarmChild:
+    """A command line running in the background in a child of the warm interpreter, in a
+    session of its own: what the test servers need of a ``subprocess.Popen``."""
+
+    def __init__(self, warm: WarmPython, pid: int) -> None:
+        self.warm, self.pid, self.returncode = warm, pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.warm.ask({"poll": self.pid})["rc"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.1)
+        return self.returncode
+
+
+_warm: WarmPython | None = None
+
+
+def _warm_python() -> WarmPython:
+    global _warm
+    if _warm is None or _warm.proc.poll() is not None:
+        _warm = WarmPython()
+    return _warm
+
+
+def warm_popen(cmd: list[str], log_path: Path, env: dict) -> WarmChild:
+    """``start_local_server``'s ``popen``: ``cmd`` (``python ARGS``) forked from the warm
+    interpreter, its output appended to ``log_path``."""
+    assert cmd[0] == sys.executable, cmd
+    warm = _warm_python()
+    reply = warm.ask({"args": cmd[1:], "env": env, "cwd": os.getcwd(), "spawn": True, "log": str(log_path)})
+    return WarmChild(warm, reply["pid"])
+
+
+def warm_run(args: list[str], *, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``python ARGS`` (``-m MOD ...``, ``-c CODE``, ``SCRIPT ...``) as a fresh
+    interpreter would, in a child of the warm interpreter (:class:`WarmPython`)."""
+    return _warm_python().run(args, env=env, timeout=timeout)
+
+
 def run_sglang_cpu_script(name: str, timeout: float = 300) -> None:
-    """Run ``tests/sglang_cpu/<name>`` in a child process (importing SGLang needs the
+    """Run ``tests/sglang_cpu/<name>`` in a fresh interpreter (importing SGLang needs the
     CPU stand-in installed first); it must exit 0 and print ``OK`` last."""
     script = Path(__file__).parent / "sglang_cpu" / name
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=timeout)
+    out = warm_run([str(script)], timeout=timeout)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip().splitlines()[-1] == "OK"

@@ -7,11 +7,12 @@ import subprocess
 
 import pytest
 
-from tests.conftest import launcher_cmd
+from tests.conftest import warm_run
 
 
 def run_launcher(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(launcher_cmd(*args), capture_output=True, text=True, timeout=timeout)
+    """``python -m sglang_rimuru.launch_server ARGS``, as a fresh interpreter (tests/warm_python.py)."""
+    return warm_run(["-m", "sglang_rimuru.launch_server", *args], timeout=timeout)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -11,6 +9,7 @@ import pytest
 
 from rimuru_patches.context import ProcessContext
 from rimuru_patches.seams import Seam, SeamTargetMissing
+from tests.conftest import warm_run
 
 
 def _seam(target: str) -> Seam:
@@ -58,7 +57,7 @@ def test_every_seam_resolves_and_installs_in_the_pinned_sglang():
         print(sorted(seams.installed()))
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = warm_run(["-c", code])
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == str(
         sorted(["cpu.no_pynccl", "cpu.qwen2_moe_shared_expert_gate", "cpu.xgrammar_grammar", "cpu.xgrammar_backend",
@@ -75,7 +74,7 @@ def test_cuda_context_installs_no_cpu_seams():
         print(sorted(s.name for s in seams.REGISTRY if s.applies(ProcessContext(device="cuda"))))
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = warm_run(["-c", code])
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "['http.request_validation']"
 
@@ -152,7 +151,7 @@ def test_cpu_xgrammar_bitmask_is_unpinned_and_applied_on_cpu():
         print("ok")
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = warm_run(["-c", code])
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "ok"
 
@@ -168,7 +167,7 @@ def test_pool_seams_resolve_when_the_pool_mode_is_on():
         print(sorted(s.name for s in seams.verify(ctx)))
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = warm_run(["-c", code])
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == str(
         sorted(

@@ -9,7 +9,8 @@ installed on a CUDA machine. Three kinds of change:
 * seams (registered below): torch versions of the few Triton calls SGLang
   makes on this path, and no PyNccl communicator on CPU;
 * launch defaults (:func:`default_cli_args`): a KV pool cap, since SGLang
-  otherwise sizes the pool from free RAM and fills the machine.
+  otherwise sizes the pool from free RAM and fills the machine; and
+  ``--sleep-on-idle``, since an idle scheduler otherwise spins on a core.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ def default_cli_args(argv: list[str]) -> list[str]:
     extra: list[str] = []
     if not any(a == "--max-total-tokens" or a.startswith("--max-total-tokens=") for a in argv):
         extra += ["--max-total-tokens", str(DEFAULT_MAX_TOTAL_TOKENS)]
+    if "--sleep-on-idle" not in argv:
+        # An idle scheduler otherwise polls its sockets in a loop and holds a whole core,
+        # which on a CPU server is a core its own forward passes (and the tokenizer) lack.
+        # SGLang's IdleSleeper waits on the same sockets instead, woken by the next request.
+        extra += ["--sleep-on-idle"]
     return extra
 
 
