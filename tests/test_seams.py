@@ -364,3 +364,12 @@ def test_the_ledger_lists_exactly_the_registered_seams():
         last = attr.split(".")[-1]
         # the row names the target, in full or with SGLang's module path shortened by "…"
         assert last in rows[name] and (module in rows[name] or "…" in rows[name]), (name, target, rows[name])
+
+
+def test_cpu_launch_defaults_cap_the_kv_pool_and_sleep_on_idle_unless_given():
+    from rimuru_patches.cpu_platform import DEFAULT_MAX_TOTAL_TOKENS, default_cli_args
+
+    assert default_cli_args(["--model-path", "m"]) == ["--max-total-tokens", str(DEFAULT_MAX_TOTAL_TOKENS),
+                                                      "--sleep-on-idle"]
+    assert default_cli_args(["--max-total-tokens=512", "--sleep-on-idle"]) == []
+    assert default_cli_args(["--max-total-tokens", "512"]) == ["--sleep-on-idle"]
