@@ -7,12 +7,12 @@ import subprocess
 
 import pytest
 
-from tests.conftest import warm_run
+from tests.conftest import launcher_cmd, warm_run
 
 
 def run_launcher(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """``python -m sglang_rimuru.launch_server ARGS``, as a fresh interpreter (tests/warm_python.py)."""
-    return warm_run(["-m", "sglang_rimuru.launch_server", *args], timeout=timeout)
+    """The launcher's command line, as a fresh interpreter runs it (tests/warm_python.py)."""
+    return warm_run(launcher_cmd(*args)[1:], timeout=timeout)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:

@@ -119,15 +119,12 @@ def learn_imports() -> list[str]:
         before = set(sys.modules)
         pid = os.fork()
         if pid == 0:
-            import atexit
-
             def dump() -> None:
                 names = [n for n in sys.modules if n not in before and n.split(".")[0] not in NOT_AHEAD]
                 with open(f"{d}/modules", "w") as f:
                     f.write("\n".join(names))
 
-            atexit.register(dump)  # run_job exits through os._exit: dump first
-            _exit = os._exit
+            _exit = os._exit  # run_job ends in os._exit, which skips atexit: dump on the way out
             os._exit = lambda code: (dump(), _exit(code))
             run_job({"args": LEARN, "env": dict(os.environ), "cwd": os.getcwd(),
                      "stdout": os.devnull, "stderr": os.devnull})

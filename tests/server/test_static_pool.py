@@ -2,8 +2,9 @@
 
 Half of each layer's experts are offloaded to host memory (4 of 8 resident,
 offload limit 4), so every forward pass loads experts through the load
-buffers (and, with one load-buffer slot, reads the overflow in place). The same requests go to a plain (mode off) server first; the static
-server must return the same token ids (the same text, for OpenAI and the DSL):
+buffers (and, with one load-buffer slot, reads the overflow in place). The
+same requests go to a plain (mode off) server first; the static server must
+return the same token ids (the same text, for OpenAI and the DSL):
 single requests, batches of 4 and 16, requests that hit the radix cache, an
 OpenAI completion and a frontend DSL program (``gen``, ``select``, ``fork``).
 """
