@@ -23,7 +23,8 @@ def test_summary_of_a_trace(tmp_path):
     m = load()
     events = [
         {"cat": "kernel", "name": "fused_moe_kernel", "ts": 0, "dur": 400},
-        {"cat": "kernel", "name": "fused_moe_kernel", "ts": 1000, "dur": 400},
+        {"cat": "kernel", "name": "fused_moe_kernel", "ts": 1000, "dur": 200},
+        {"cat": "kernel", "name": "fused_moe_kernel", "ts": 1200, "dur": 200},
         {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 200, "dur": 300},  # overlaps the first
         {"cat": "kernel", "name": "attention", "ts": 1900, "dur": 100},
         {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},  # host side: not GPU time
@@ -32,9 +33,10 @@ def test_summary_of_a_trace(tmp_path):
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     s = m.summarize(path)
-    assert s["gpu_events"] == 4
+    assert s["gpu_events"] == 5
     assert s["span_ms"] == 2.0 and s["busy_ms"] == 1.0  # 0-500, 1000-1400, 1900-2000
-    assert s["top"][0] == {"name": "kernel: fused_moe_kernel", "count": 2, "total_ms": 0.8}
+    assert s["top"][0] == {"name": "kernel: fused_moe_kernel", "count": 3, "total_ms": 0.8,
+                           "median_us": 200.0, "max_us": 400.0}
     assert [r["name"] for r in s["top"][1:]] == ["gpu_memcpy: Memcpy HtoD (Pinned -> Device)", "kernel: attention"]
 
 

@@ -160,7 +160,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="distinct layer slabs cycled (defeats the cache)")
     ap.add_argument("--tokens", default="1,4,8,16,32", help="tokens per expert")
     ap.add_argument("--no-loop", action="store_true", help="skip the expert-by-expert timing")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch's CPU threads (0: its default, one per core). Fewer leaves a core to the "
+                         "thread that issues the copies: an OpenMP team that loses one core to it waits "
+                         "at every barrier, which would understate the CPU's rate alongside the copies")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     hidden, inter, experts = SHAPES[args.shape]
     tokens = [int(t) for t in args.tokens.split(",")]
     res = {"shape": args.shape, "hidden": hidden, "inter": inter, "experts": experts, "cpu": cpu_info()}

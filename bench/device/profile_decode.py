@@ -23,6 +23,7 @@ import argparse
 import concurrent.futures as cf
 import gzip
 import json
+import random
 import sys
 import time
 from collections import defaultdict
@@ -85,17 +86,19 @@ def summarize(trace_path: Path, top: int = 15) -> dict:
         return {"trace": trace_path.name, "gpu_events": 0}
     spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu]
     t0, t1 = min(s for s, _ in spans), max(e for _, e in spans)
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_name: dict[str, list[float]] = defaultdict(list)
     for e in gpu:
-        key = f"{e['cat']}: {e['name'][:90]}"
-        by_name[key][0] += 1
-        by_name[key][1] += float(e["dur"])
-    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+        by_name[f"{e['cat']}: {e['name'][:90]}"].append(float(e["dur"]))
+    rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
     return {
         "trace": trace_path.name, "gpu_events": len(gpu),
         "span_ms": round((t1 - t0) / 1e3, 3),
         "busy_ms": round(busy_union(spans) / 1e3, 3),
-        "top": [{"name": k, "count": n, "total_ms": round(d / 1e3, 3)} for k, (n, d) in rows[:top]],
+        # a kernel's calls can differ (the MoE's gate-up and down GEMMs share one name):
+        # the median and the largest call say more than the mean
+        "top": [{"name": k, "count": len(d), "total_ms": round(sum(d) / 1e3, 3),
+                 "median_us": round(sorted(d)[len(d) // 2], 1), "max_us": round(max(d), 1)}
+                for k, d in rows[:top]],
     }
 
 
@@ -106,6 +109,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=100)
     ap.add_argument("--prompt-tokens", type=int, default=300)
     ap.add_argument("--new-tokens", type=int, default=400)
+    ap.add_argument("--prompts", choices=("text", "random"), default="text",
+                    help="text: one repeated phrase (similar hidden states, so routing concentrates on few "
+                         "experts); random: uniform random token ids (near-uniform routing, as ShareGPT "
+                         "traffic gives on dummy weights)")
     ap.add_argument("--warm-s", type=float, default=60)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--activities", default="GPU", help="the profiler's, comma separated (CPU for a dry run)")
@@ -127,9 +134,14 @@ def main() -> None:
     print(f"ready in {time.time() - t_launch:.0f} s", flush=True)
     try:
         # distinct prompts (no shared prefix to cache) of about --prompt-tokens tokens each
-        prompts = [f"{i} " + "lorem ipsum dolor " * (args.prompt_tokens // 4) for i in range(args.batch)]
-        body = lambda p: {"text": p, "sampling_params": {"max_new_tokens": args.new_tokens, "temperature": 0.0,
-                                                         "ignore_eos": True}}
+        sampling = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
+        if args.prompts == "random":
+            g = random.Random(0)
+            prompts = [[g.randrange(1000, 100_000) for _ in range(args.prompt_tokens)] for _ in range(args.batch)]
+            body = lambda p: {"input_ids": p, "sampling_params": sampling}
+        else:
+            prompts = [f"{i} " + "lorem ipsum dolor " * (args.prompt_tokens // 4) for i in range(args.batch)]
+            body = lambda p: {"text": p, "sampling_params": sampling}
         pool = cf.ThreadPoolExecutor(args.batch)
         futs = [pool.submit(requests.post, srv.url + "/generate", json=body(p), timeout=3600) for p in prompts]
         time.sleep(args.warm_s)
@@ -155,7 +167,8 @@ def main() -> None:
             print(f"{t['trace']}: {t.get('gpu_events')} GPU events; span {t.get('span_ms')} ms over "
                   f"{args.steps} steps, busy {t.get('busy_ms')} ms")
             for row in t.get("top", []):
-                print(f"  {row['total_ms']:10.3f} ms  {row['count']:6d}  {row['name']}")
+                print(f"  {row['total_ms']:10.3f} ms  {row['count']:6d}  median {row['median_us']:9.1f} us"
+                      f"  max {row['max_us']:9.1f} us  {row['name']}")
         pool.shutdown(wait=False, cancel_futures=True)
     finally:
         srv.stop()

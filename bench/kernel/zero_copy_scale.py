@@ -36,6 +36,8 @@ import time
 import torch
 
 from rimuru_kernels import pack_contiguous_weights, paged_fused_moe
+from rimuru_kernels.moe_config import get_paged_moe_config, get_paged_moe_down_config
+from rimuru_kernels.paged_moe import _silu_and_mul
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from paged_rig import capture_graph  # noqa: E402
@@ -45,8 +47,13 @@ IH = I * H
 EXPERT_BYTES = 3 * IH * 2
 
 
+BLOCKING_SYNC = False  # --blocking-sync
+
+
 def median_ms(run, reps: int) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # blocking events: the host thread sleeps in synchronize() instead of spinning on a core
+    a = torch.cuda.Event(enable_timing=True, blocking=BLOCKING_SYNC)
+    b = torch.cuda.Event(enable_timing=True, blocking=BLOCKING_SYNC)
     times = []
     for _ in range(reps):
         a.record()
@@ -116,10 +123,25 @@ def main() -> None:
     ap.add_argument("--ks", default="8,32,84")
     ap.add_argument("--budget-s", type=float, default=300)
     ap.add_argument("--layouts", default="compact,spread,spread_thp")
+    ap.add_argument("--out-sets", default="random",
+                    help="compact only, comma separated: which k routed experts a layer keeps on host pages: "
+                         "random (shuffled), high (the highest ids: static mode without a ranking keeps the "
+                         "lowest ids resident, so its out-set is this one), low (the lowest ids)")
+    ap.add_argument("--w13", default="fused",
+                    help="compact only, comma separated: fused (SiLU*up in the gate/up GEMM, one CTA reads "
+                         "both pages) or unfused (the gate/up GEMM over N = 2I, then SiLU*up: what serving's "
+                         "default exact kernel runs, with SGLang's activation)")
+    ap.add_argument("--stages", default="cfg",
+                    help="compact only, comma separated: num_stages for both GEMMs, or cfg (the config's)")
+    ap.add_argument("--blocking-sync", action="store_true",
+                    help="wait for each timed step asleep (blocking CUDA events), leaving every host core idle "
+                         "while the GPU reads host memory, as a server waiting on the GPU may; default: spin")
     ap.add_argument("--configs", default="kernel", help="kernel (its own tables: --rimuru-moe-kernel fast), "
                     "sglang (SGLang's launch configs, what serving's default exact kernel uses) or both: "
                     "the compact layout runs once per kind")
     args = ap.parse_args()
+    global BLOCKING_SYNC
+    BLOCKING_SYNC = args.blocking_sync
     t_start = time.time()
     L = args.layers
     tokens = [int(x) for x in args.tokens.split(",")]
@@ -132,7 +154,7 @@ def main() -> None:
     paged = pack_contiguous_weights(w13, w2)
     del w13, w2
     pool, table0, pe = paged.pool, paged.page_table, paged.page_elems
-    res = {"layers": L, "region_gib": args.region_gib, "expert_bytes": EXPERT_BYTES,
+    res = {"layers": L, "region_gib": args.region_gib, "blocking_sync": BLOCKING_SYNC, "expert_bytes": EXPERT_BYTES,
            "thp_enabled": open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
            if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") else None, "rows": []}
     # the copy engine's ceiling: one 1 GiB pinned copy
@@ -155,9 +177,14 @@ def main() -> None:
             routes.append((w.cuda(), ids.to(torch.int32).cuda(), order))
         plans[T] = (hidden, routes)
 
-    def tables_for(T: int, k: int, slot_of) -> list[torch.Tensor]:
+    def out_order(order: list[int], out_set: str) -> list[int]:
+        """A layer's routed experts in the order the out-set takes them (its first k)."""
+        return {"random": order, "high": sorted(order, reverse=True), "low": sorted(order)}[out_set]
+
+    def tables_for(T: int, k: int, slot_of, out_set: str = "random") -> list[torch.Tensor]:
         out = []
-        for l, (_, _, order) in enumerate(plans[T][1]):
+        for l, (_, _, routed) in enumerate(plans[T][1]):
+            order = out_order(routed, out_set)
             t = table0.clone()
             for j, e in enumerate(order[:k]):
                 s = slot_of(l, j)
@@ -188,44 +215,62 @@ def main() -> None:
             print(f"T={T}: SGLang's configs up {cfgs[(T, 'sglang')][0]} down {cfgs[(T, 'sglang')][1]}", flush=True)
     res["configs"] = {f"{T}/{kind}": v for (T, kind), v in cfgs.items()}
 
-    def step_fn(T, tables, host, kind="kernel"):
+    def step_fn(T, tables, host, kind="kernel", w13="fused", stages="cfg"):
         hidden, routes = plans[T]
         up, down = cfgs[(T, kind)]
+        if stages != "cfg":
+            if up is None:  # the kernel's own tables: resolve them to override one key
+                up, down = get_paged_moe_config(E, I, T, hidden.device), get_paged_moe_down_config(E, I, T, hidden.device)
+            up = {**up, "num_stages": int(stages)}
+            down = None if down is None else {**down, "num_stages": int(stages)}
+        act = None if w13 == "fused" else _silu_and_mul
 
         def step():
             for l in range(L):
                 w, ids, _ = routes[l]
                 paged_fused_moe(hidden, pool, tables[l], w, ids, inter_size=I, page_elems=pe,
-                                host_pages=host, out=out_buf[T], config=up, down_config=down)
+                                host_pages=host, out=out_buf[T], config=up, down_config=down, act_and_mul=act)
         return step
 
-    def timed(T, tables, host, kind="kernel") -> tuple[float, torch.Tensor]:
-        step = step_fn(T, tables, host, kind)
+    def timed(T, tables, host, kind="kernel", w13="fused", stages="cfg") -> tuple[float, torch.Tensor]:
+        step = step_fn(T, tables, host, kind, w13, stages)
         gr = capture_graph(step)
         ms = median_ms(gr.replay, 3)
         step()
         torch.cuda.synchronize()
         return ms, out_buf[T].clone()
 
+    variants = [(kind, w13, st) for kind in kinds for w13 in args.w13.split(",") for st in args.stages.split(",")]
     base = {}
+
+    def base_for(T, kind="kernel", w13="fused", st="cfg") -> tuple[float, torch.Tensor]:
+        """The step with every expert in HBM (the variant's time and output), once."""
+        if (T, kind, w13, st) not in base:
+            base[(T, kind, w13, st)] = timed(T, [table0] * L, None, kind, w13, st)
+            print(f"T={T}: all in HBM {base[(T, kind, w13, st)][0]:.2f} ms a step of {L} layers "
+                  f"({kind} configs, {w13} gate/up, stages {st})", flush=True)
+        return base[(T, kind, w13, st)]
+
     for T in tokens:
-        for kind in kinds:
-            base[(T, kind)] = timed(T, [table0] * L, None, kind)
-            print(f"T={T}: all in HBM {base[(T, kind)][0]:.2f} ms a step of {L} layers ({kind} configs)", flush=True)
+        for v in variants:
+            base_for(T, *v)
     print(f"{'layout':11} {'T':>4} {'k':>3} {'GiB':>6} {'step ms':>8} {'+ms':>8} {'GB/s':>6} equal", flush=True)
 
     def n_out(T: int, k: int) -> int:  # fewer than L x k where a layer routes fewer than k experts
         return sum(min(k, len(order)) for _, _, order in plans[T][1])
 
-    def record(layout, T, k, ms, equal, extra_ms=None, kind="kernel"):
+    def record(layout, T, k, ms, equal, extra_ms=None, kind="kernel", out_set="random", w13="fused",
+               stages="cfg"):
         nbytes = n_out(T, k) * EXPERT_BYTES
-        b = base[(T, kind)][0]
+        b = base_for(T, kind, w13, stages)[0]
         extra = ms - b if extra_ms is None else extra_ms
-        row = dict(layout=layout, configs=kind, T=T, k=k, bytes=nbytes, step_ms=ms, base_ms=b, extra_ms=extra,
+        row = dict(layout=layout, configs=kind, out_set=out_set, w13=w13, stages=stages, T=T, k=k, bytes=nbytes, step_ms=ms, base_ms=b, extra_ms=extra,
                    GBps=nbytes / (max(extra, 1e-6) * 1e6), equal=equal)
         row["experts"] = n_out(T, k)
         res["rows"].append(row)
-        print(f"{layout + ('' if kind == 'kernel' else '/' + kind):11} {T:4d} {k:3d} {nbytes / 2**30:6.2f} {ms:8.2f} {extra:8.2f} {row['GBps']:6.1f} "
+        name = "/".join([layout] + [v for v, d in ((kind, "kernel"), (out_set, "random"), (w13, "fused"),
+                                                   (f"s{stages}", "scfg")) if v != d])
+        print(f"{name:11} {T:4d} {k:3d} {nbytes / 2**30:6.2f} {ms:8.2f} {extra:8.2f} {row['GBps']:6.1f} "
               f"{'' if equal is None else ('yes' if equal else 'NO')}", flush=True)
         json.dump(res, open(args.out, "w"), indent=1)
 
@@ -234,13 +279,15 @@ def main() -> None:
     host, keep = host_region(max(ks), thp=False)
     for T in tokens if "compact" in args.layouts else []:
         for k in ks:
-            for j, e in enumerate(plans[T][1][L - 1][2][:k]):
-                for m in range(3):
-                    p = int(table0[e, m])
-                    host[(3 * j + m) * IH:(3 * j + m + 1) * IH].copy_(pool[p * pe:p * pe + IH])
-            for kind in kinds:
-                ms, got = timed(T, tables_for(T, k, lambda l, j: j), host, kind)
-                record("compact", T, k, ms, bool(torch.equal(got, base[(T, kind)][1])), kind=kind)
+            for out_set in args.out_sets.split(","):
+                for j, e in enumerate(out_order(plans[T][1][L - 1][2], out_set)[:k]):
+                    for m in range(3):
+                        p = int(table0[e, m])
+                        host[(3 * j + m) * IH:(3 * j + m + 1) * IH].copy_(pool[p * pe:p * pe + IH])
+                for kind, w13, st in variants:
+                    ms, got = timed(T, tables_for(T, k, lambda l, j: j, out_set), host, kind, w13, st)
+                    record("compact", T, k, ms, bool(torch.equal(got, base_for(T, kind, w13, st)[1])), kind=kind,
+                           out_set=out_set, w13=w13, stages=st)
     release(keep)
     del host, keep
 
@@ -265,7 +312,7 @@ def main() -> None:
                 spread = lambda l, j, k=k: perm[l * k + j]  # noqa: E731
                 fill(host, T, k, spread)
                 ms, got = timed(T, tables_for(T, k, spread), host)
-                record(layout, T, k, ms, bool(torch.equal(got, base[(T, "kernel")][1])))
+                record(layout, T, k, ms, bool(torch.equal(got, base_for(T)[1])))
                 if layout == "spread":  # the copy engine, same experts, same bytes
                     stage = torch.empty(k * 3 * IH, dtype=torch.bfloat16, device="cuda")
 
