@@ -1,0 +1,126 @@
+"""Routed experts computed by the host's CPUs, from the host store, in place.
+
+Why: a decode step with experts offloaded is bound by the bytes of the offloaded
+experts it routes to. The GPU reads them over PCIe (in place, ~41-52 GB/s on the
+H200); the host's CPUs can read the same weights from DRAM at about that rate *at the
+same time* (``bench/device/cpu_experts.py``: 54 GB/s of expert matmuls beside 50 GB/s
+of pinned copies on the H200's 16-core host). Splitting a layer's offloaded experts
+between the two moves its cold bytes up to ~2x as fast; only the layer's hidden
+states and routing cross PCIe for the CPU's share (KTransformers, Fiddler).
+
+``CpuExperts`` computes one MoE layer's contribution from a given set of experts:
+
+    out[t] = sum over j with topk_ids[t, j] in experts:
+             topk_weights[t, j] * W2_e (silu(W1_e x_t) * (W3_e x_t))
+
+reading each expert's matrices where they lie (``weights(e)`` returns views; the host
+store's ``[E, 3, inter*hidden]`` layer tensor gives them without a copy). The math is
+SGLang's ``moe_forward_native``, op for op: per expert ``F.linear`` to gate/up, SiLU
+times up, ``F.linear`` down, in the activations' dtype; then every slot's output in the
+routing weights' dtype, times its weight, summed over the top-k, rounded once. Given
+every routed expert it equals ``moe_forward_native`` bit for bit (the tests check it); a
+subset gives the same sum without the other experts' slots. It is not bit-equal to the
+GPU kernels (other matmul units), so serving with it is a ``fast``-kind choice.
+
+Threads: experts are dealt round-robin to ``threads`` Python threads, each running
+its matmuls (torch releases the GIL inside them); with more than one, set torch's own
+intra-op threads to 1 (``torch.set_num_threads(1)``: process-wide, so the caller's
+choice), or every matmul starts an OpenMP team from every thread. One expert's matmul at
+decode sizes (a few tokens, ~9 MiB of weights) is too small for torch's own OpenMP team:
+its fork and join each call halved the rate on the H200's host (``loop`` rows against
+``bmm``). The combine runs on the calling thread after all experts, so the result does
+not depend on the thread count.
+
+Plain torch; no SGLang, no CUDA (tensors on the CPU).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.nn import functional as F
+
+__all__ = ["CpuExperts", "store_weights"]
+
+#: (W13 [2I, H] = cat(W1, W3), W2 [H, I]) of one expert, as views of host memory.
+Weights = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def store_weights(layer: torch.Tensor, inter: int, hidden: int) -> Weights:
+    """``weights(e)`` over a host store layer tensor ``[E, 3, inter*hidden]`` (W1, W3, W2 of
+    each expert adjacent, ``sglang_rimuru/experts/host_store.py``): W13 is the expert's first
+    two matrices as one ``[2I, H]`` view, W2 its third as ``[H, I]``. No copy."""
+    if layer.dim() != 3 or layer.shape[1] != 3 or layer.shape[2] != inter * hidden:
+        raise ValueError(f"store layer of shape {tuple(layer.shape)}: expected [E, 3, {inter * hidden}]")
+
+    def weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer[e, 0:2].view(2 * inter, hidden), layer[e, 2].view(hidden, inter)
+
+    return weights
+
+
+class CpuExperts:
+    """One MoE layer's contribution from a set of experts, on the host's CPUs."""
+
+    def __init__(self, threads: int = 1):
+        if threads < 1:
+            raise ValueError(f"threads={threads}: at least one")
+        self.threads = threads
+        self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="rimuru-cpu-expert") if threads > 1 else None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    @staticmethod
+    def routed(topk_ids: torch.Tensor, experts: Sequence[int] | torch.Tensor) -> dict[int, torch.Tensor]:
+        """Expert -> the flat slots (``t * k + j``) routed to it, for each of ``experts``
+        that some token routes to, in expert-id order."""
+        flat = topk_ids.reshape(-1).long()
+        wanted = torch.as_tensor(experts, dtype=torch.long).reshape(-1)
+        slots = torch.nonzero(torch.isin(flat, wanted)).reshape(-1)
+        ids = flat[slots]
+        order = torch.argsort(ids, stable=True)
+        slots, ids = slots[order], ids[order]
+        uniq, counts = torch.unique_consecutive(ids, return_counts=True)
+        return {int(e): s for e, s in zip(uniq.tolist(), torch.split(slots, counts.tolist()))}
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 weights: Weights, experts: Sequence[int] | torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out`` ([T, H], x's dtype): the experts' contribution (zero where none routes)."""
+        if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+            raise ValueError(f"x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, "
+                             f"topk_weights {tuple(topk_weights.shape)}: expected [T, H], [T, k], [T, k]")
+        T, _ = x.shape
+        k = topk_ids.shape[1]
+        work = self.routed(topk_ids, experts)
+
+        def one(item: tuple[int, torch.Tensor]) -> torch.Tensor:
+            e, slots = item
+            w13, w2 = weights(e)
+            inter = w2.shape[1]
+            gate_up = F.linear(x[slots // k], w13)
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            return F.linear(act, w2)
+
+        items = list(work.items())
+        if self._pool is None or len(items) < 2:
+            ys = [one(it) for it in items]
+        else:
+            # round-robin deal: thread i takes items i, i + n, ... (one task each, no queue churn)
+            n = min(self.threads, len(items))
+            parts = list(self._pool.map(lambda i: [one(it) for it in items[i::n]], range(n)))
+            ys = [parts[j % n][j // n] for j in range(len(items))]
+        # SGLang's combine, on the slots of these experts (the others hold zeros, which add
+        # nothing): per-slot outputs in the routing weights' dtype, times them, summed over k
+        per_slot = x.new_zeros(T * k, x.shape[1])
+        for (_, slots), y in zip(items, ys):
+            per_slot[slots] = y
+        combined = per_slot.view(T, k, -1).type(topk_weights.dtype).mul_(topk_weights.unsqueeze(-1)).sum(dim=1)
+        if out is None:
+            return combined.type(x.dtype)
+        return out.copy_(combined)

@@ -1,0 +1,99 @@
+"""CpuExperts (routed experts computed on the host's CPUs) is SGLang's moe_forward_native,
+bit for bit, restricted to the experts it is given; from the host store's layout, in place."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_rimuru.experts.cpu_experts import CpuExperts, store_weights
+
+from .test_compute import SILU, moe_forward_native, route
+
+CASES = [  # (T, k, E, I, H)
+    (1, 1, 8, 4, 8),
+    (5, 2, 8, 4, 8),
+    (40, 4, 16, 8, 16),
+    (100, 8, 32, 16, 32),
+]
+
+
+def layer(E: int, I: int, H: int, g: torch.Generator):
+    """w13 [E, 2I, H], w2 [E, H, I] and the same weights as a host store layer [E, 3, I*H]."""
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(torch.bfloat16)
+    store = torch.stack([w13[:, :I].reshape(E, -1), w13[:, I:].reshape(E, -1), w2.reshape(E, -1)], dim=1)
+    return w13, w2, store
+
+
+def native(w13, w2, x, w, ids, only=None) -> torch.Tensor:
+    """SGLang's moe_forward_native; with ``only``, every other expert's weights zeroed."""
+    if only is not None:
+        keep = torch.zeros(w13.shape[0], dtype=torch.bool)
+        keep[list(only)] = True
+        w13 = torch.where(keep[:, None, None], w13, torch.zeros_like(w13))
+        w2 = torch.where(keep[:, None, None], w2, torch.zeros_like(w2))
+    stub = SimpleNamespace(num_experts=w13.shape[0], w13_weight=w13, w2_weight=w2)
+    return moe_forward_native(stub, x, (w, ids, None), SILU)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("T, k, E, I, H", CASES)
+def test_all_experts_is_sglangs_native_bit_for_bit(T, k, E, I, H, threads) -> None:
+    g = torch.Generator().manual_seed(T * 1000 + E)
+    w13, w2, store = layer(E, I, H, g)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    w, ids = route(T, E, k, g)
+    cpu = CpuExperts(threads)
+    try:
+        got = cpu(x, ids, w, store_weights(store, I, H), range(E))
+    finally:
+        cpu.close()
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, native(w13, w2, x, w, ids))
+
+
+@pytest.mark.parametrize("T, k, E, I, H", CASES[1:])
+def test_a_subset_is_native_without_the_other_experts(T, k, E, I, H) -> None:
+    g = torch.Generator().manual_seed(7 + T)
+    w13, w2, store = layer(E, I, H, g)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    w, ids = route(T, E, k, g)
+    cold = list(range(E // 2, E))  # static mode's out-set: the highest ids
+    out = torch.full((T, H), 7.0, dtype=torch.bfloat16)
+    got = CpuExperts(1)(x, ids, w, store_weights(store, I, H), cold, out=out)
+    assert got is out
+    assert torch.equal(got, native(w13, w2, x, w, ids, only=cold))
+    # the two halves add up to the whole layer (within bf16: the halves are rounded apart)
+    hot = CpuExperts(1)(x, ids, w, store_weights(store, I, H), range(E // 2))
+    whole = native(w13, w2, x, w, ids)
+    assert torch.allclose((hot.float() + got.float()), whole.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_experts_nobody_routes_to_give_zeros_and_read_nothing() -> None:
+    E, I, H, T, k = 8, 4, 8, 3, 2
+    g = torch.Generator().manual_seed(3)
+    _, _, store = layer(E, I, H, g)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0]], dtype=torch.int32)
+    w = torch.full((T, k), 0.5)
+    read = []
+    weights = store_weights(store, I, H)
+    got = CpuExperts(1)(x, ids, w, lambda e: (read.append(e), weights(e))[1], [5, 6, 7])
+    assert read == [] and torch.equal(got, torch.zeros(T, H, dtype=torch.bfloat16))
+    assert CpuExperts.routed(ids, [2, 1, 7]).keys() == {1, 2}
+    assert [s.tolist() for s in CpuExperts.routed(ids, [2, 1]).values()] == [[1, 2], [3, 4]]
+
+
+def test_store_weights_are_views_of_the_store() -> None:
+    E, I, H = 4, 3, 5
+    _, _, store = layer(E, I, H, torch.Generator().manual_seed(1))
+    w13, w2 = store_weights(store, I, H)(2)
+    assert w13.shape == (2 * I, H) and w2.shape == (H, I)
+    assert w13.data_ptr() == store[2, 0].data_ptr() and w2.data_ptr() == store[2, 2].data_ptr()
+    with pytest.raises(ValueError, match=r"\(4, 3, 15\): expected \[E, 3, 18\]"):
+        store_weights(store, I, H + 1)
+    with pytest.raises(ValueError, match="at least one"):
+        CpuExperts(0)
