@@ -69,6 +69,13 @@ def test_static_mode_matches_mode_off(tmp_path, model_dir, model):
     assert int(summary.group(1)) == 8
     capacity = int(summary.group(2))
     assert capacity >= 8192
+    # SGLang's "KV Cache is allocated ... #tokens" counts the KV id space; the next line says so
+    note = re.search(r"KV Cache is allocated\. .*#tokens: (\d+),.*\n.*sglang-rimuru: the KV cache line above counts "
+                     r"the unified pool's KV id space \((\d+) token slots over [\d.]+ GiB shared with expert "
+                     r"weights\); KV can hold (\d+) tokens now, at most (\d+)\n", log)
+    assert note, log[-3000:]
+    assert note.group(1) == note.group(2) and int(note.group(2)) > capacity
+    assert int(note.group(3)) == int(note.group(4)) == capacity  # static: what it has is all it gets
     # SGLang's scheduler sized itself to the pool's KV capacity (clamped by --max-total-tokens)
     assert f"max_total_num_tokens={min(capacity, 8192)}" in log
 

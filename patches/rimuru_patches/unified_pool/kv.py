@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 
 import torch
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+logger = logging.getLogger(__name__)
 
 #: owner tag of the KV pages SGLang holds. One tag for all: affinity works on KV ids
 #: (``near``), and the radix cache shares pages between requests and keeps them
@@ -274,4 +277,22 @@ def pooled_kv_pool_class(runtime) -> type:
                 )
             self.k_buffer, self.v_buffer = views.k, views.v
 
+        def _finalize_allocation_log(self, num_tokens: int):
+            # SGLang's line counts this pool's size: the KV id space, i.e. the whole unified
+            # pool as if it were all KV. Say right after it what KV really holds.
+            super()._finalize_allocation_log(num_tokens)
+            logger.info(kv_line_note(runtime, num_tokens))
+
+    if not callable(getattr(MHATokenToKVPool, "_finalize_allocation_log", None)):
+        raise RuntimeError("sglang-rimuru: MHATokenToKVPool._finalize_allocation_log is gone (SGLang moved); "
+                           "the KV allocation line's correction has no hook (patches/README.md, pool.kv_buffers)")
     return PooledMHATokenToKVPool
+
+
+def kv_line_note(runtime, id_space_tokens: int) -> str:
+    """The line after SGLang's "KV Cache is allocated ... #tokens: N": N is the id space."""
+    now = runtime.page_pool.kv_capacity_now() * runtime.plan.page_size
+    return (f"sglang-rimuru: the KV cache line above counts the unified pool's KV id space ({id_space_tokens} "
+            f"token slots over {runtime.geometry.pool_bytes / 2**30:.3f} GiB shared with expert weights); "
+            f"KV can hold {now} tokens now, at most {runtime.kv_capacity_tokens}"
+            + (" as experts are evicted" if runtime.config.mode == "elastic" else ""))
