@@ -54,7 +54,7 @@ def test_static_mode_matches_mode_off(tmp_path, model_dir, model):
     finally:
         off.stop()
 
-    static = start_server(base + STATIC, tmp_path / "static.log")
+    static = start_server(base + STATIC, tmp_path / "static.log", env={"SGLANG_RIMURU_PROBE_IN_PLACE": "1"})
     try:
         got = workload(static)
         log = static.log()
@@ -63,6 +63,9 @@ def test_static_mode_matches_mode_off(tmp_path, model_dir, model):
 
     assert got == expected
     assert got["radix_cached"] >= len(SYSTEM.encode()) - 1  # the shared prefix came from the pool's KV pages
+    # the in-place read probe ran at start (SGLANG_RIMURU_PROBE_IN_PLACE): 2 layers, 4 experts out each
+    probe = re.search(r"in-place read probe: 2 MoE layers x 100 tokens read (\d+) offloaded experts", log)
+    assert probe and int(probe.group(1)) == 8, log[-3000:]
     summary = re.search(r"sglang-rimuru static pool: .* (\d+) resident experts \(4 of 8 per layer x 2 layers\), "
                         r"load buffers 2 x 4, KV now (\d+) tokens, at most \d+", log)
     assert summary, log[-3000:]

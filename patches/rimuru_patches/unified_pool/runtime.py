@@ -45,6 +45,7 @@ from sglang_rimuru.experts import (
     reads_in_place,
     replay_max_probability,
 )
+from sglang_rimuru.experts import read_probe
 from sglang_rimuru.experts.host_store import pin_kind
 from sglang_rimuru.plan import GIB, ModelFacts, PlanError, PoolPlan, plan_pool
 from sglang_rimuru.pool import PoolBuffer, PoolGeometry, UnifiedPagePool
@@ -327,6 +328,11 @@ class RimuruRuntime:
         for layer_id in shape.layer_ids[:4]:
             logger.info("sglang-rimuru layer %d resident experts: %s", layer_id, residency.resident(layer_id))
         logger.debug("sglang-rimuru pool stats: %s", stats)
+        if os.environ.get(read_probe.PROBE_ENV, "0") not in ("", "0"):
+            # diagnostic: the rate this process's own host store gives in-place reads
+            logger.info(read_probe.describe(read_probe.probe_in_place(manager)))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         return runtime
 
     @staticmethod
