@@ -80,6 +80,22 @@ def _await(counter_ptr, anchor_ptr, done_off, err_ptr, max_spins):
         tl.store(err_ptr, want)
 
 
+def host_block(specs: list[tuple[tuple[int, ...], torch.dtype]], pin: bool) -> list[torch.Tensor]:
+    """Tensors of these (shape, dtype) as views of one host buffer, each 256-byte aligned,
+    page-locked with one ``cudaHostRegister`` when ``pin``. One registration: small buffers
+    registered apart may share a page, which cudaHostRegister refuses the second time; and
+    not torch's pinned allocator, which records an event per async copy, a step that CUDA
+    graph capture may refuse."""
+    offsets, total = [], 0
+    for shape, dtype in specs:
+        offsets.append(total)
+        nbytes = dtype.itemsize * max(1, int(torch.Size(shape).numel()))
+        total += -(-nbytes // 256) * 256
+    buf = pinned_empty((total,), torch.uint8) if pin else torch.empty(total, dtype=torch.uint8)
+    return [buf[o:o + dtype.itemsize * torch.Size(shape).numel()].view(dtype).view(shape)
+            for o, (shape, dtype) in zip(offsets, specs)]
+
+
 def split_table(table0: torch.Tensor, n_out: int, n_cpu: int) -> torch.Tensor:
     """A layer's page table: experts below E - n_out resident (table0's pages), the next
     n_out - n_cpu read in place from host pages 3e, 3e+1, 3e+2 (entry -2 - page), the
@@ -177,13 +193,11 @@ def main() -> None:
         w, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), TOP_K, dim=-1)
         routes.append((w.cuda(), ids.to(torch.int32).cuda()))
 
-    # the handshake's buffers: pinned host (torch's allocator: small buffers may share a page,
-    # which cudaHostRegister refuses twice), read by the host thread; flags mapped (UVA) for the kernels
-    x_pin = torch.empty((T, H), dtype=torch.bfloat16, pin_memory=True)
-    ids_pin = torch.empty((T, TOP_K), dtype=torch.int32, pin_memory=True)
-    w_pin = torch.empty((T, TOP_K), dtype=torch.float32, pin_memory=True)
-    part_pin = torch.empty((T, H), dtype=torch.bfloat16, pin_memory=True)
-    flags = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+    # the handshake's buffers, read by the host thread; flags mapped (UVA) for the kernels
+    x_pin, ids_pin, w_pin, part_pin, flags = host_block(
+        [((T, H), torch.bfloat16), ((T, TOP_K), torch.int32), ((T, TOP_K), torch.float32),
+         ((T, H), torch.bfloat16), ((2,), torch.int64)], pin=True)
+    flags.zero_()
     anchor = torch.zeros(1, dtype=torch.int64, device="cuda")
     counter = torch.zeros(1, dtype=torch.int64, device="cuda")
     err = torch.zeros(1, dtype=torch.int64, device="cuda")

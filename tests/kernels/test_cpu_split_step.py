@@ -92,3 +92,17 @@ def test_split_table_rows() -> None:
         assert t[e].tolist() == [-2 - 3 * e, -3 - 3 * e, -4 - 3 * e]
     assert t[E - 1].tolist() == [-1, -1, -1]
     assert table0[E - 1].tolist() == [3 * E - 3, 3 * E - 2, 3 * E - 1]  # the original untouched
+
+
+def test_host_block_views_share_one_buffer_aligned() -> None:
+    m = load()
+    x, ids, flags = m.host_block([((3, 5), torch.bfloat16), ((3, 2), torch.int32), ((2,), torch.int64)], pin=False)
+    assert (x.shape, x.dtype, ids.shape, ids.dtype, flags.shape, flags.dtype) == (
+        (3, 5), torch.bfloat16, (3, 2), torch.int32, (2,), torch.int64)
+    base = x.untyped_storage().data_ptr()
+    assert ids.untyped_storage().data_ptr() == base == flags.untyped_storage().data_ptr()
+    assert [t.data_ptr() - base for t in (x, ids, flags)] == [0, 256, 512]
+    ids.zero_()
+    flags.fill_(7)
+    x.fill_(1.0)  # writes stay in their own views
+    assert ids.sum().item() == 0 and flags.tolist() == [7, 7] and x.float().sum().item() == 15.0
