@@ -48,6 +48,10 @@ class Runtime(types.SimpleNamespace):
     def kv_id_limit(self):
         return self.geometry.num_kv_page_ids * self.plan.page_size
 
+    @property
+    def kv_capacity_tokens(self):  # static mode's: what the pool gives KV now
+        return self.page_pool.kv_capacity_now() * self.plan.page_size
+
 
 def check(name: str, resident: int, limit: int) -> None:
     hf = build_config(MODELS[name]).to_dict()
@@ -71,7 +75,7 @@ def check(name: str, resident: int, limit: int) -> None:
         view.copy_(torch.randn(shape.matrix_elems, generator=g).to(torch.bfloat16))
     before = {p: buffer.expert_page_view(p, (shape.matrix_elems,), torch.bfloat16).clone() for p in expert_pages}
 
-    runtime = Runtime(geometry=geometry, plan=plan, buffer=buffer, page_pool=pool)
+    runtime = Runtime(geometry=geometry, plan=plan, buffer=buffer, page_pool=pool, config=types.SimpleNamespace(mode="static"))
     kv_heads, head_dim = facts.num_kv_heads, facts.head_dim
     kv = pooled_kv_pool_class(runtime)(
         sglang_kv_pool_size(runtime), page_size=1, dtype=torch.bfloat16, head_num=kv_heads, head_dim=head_dim,
