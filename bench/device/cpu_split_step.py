@@ -156,6 +156,9 @@ class HostSide:
 def main() -> None:
     from rimuru_kernels import pack_contiguous_weights, paged_fused_moe
 
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernel"))
+    from paged_rig import capture_graph
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=48)
@@ -235,17 +238,9 @@ def main() -> None:
         return step
 
     def timed(step, reps: int = 3) -> float:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # eager first: Triton compiles, the handshake runs once
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        gr = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(gr):
-            step()
+        gr = capture_graph(step)  # eager first (Triton compiles, the handshake runs once), then one replay
         times = []
-        for _ in range(reps + 1):
+        for _ in range(reps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             gr.replay()
@@ -254,7 +249,7 @@ def main() -> None:
             times.append(a.elapsed_time(b))
         if host.error is not None or int(err.item()):
             raise RuntimeError(f"host side failed ({host.error!r}) or _await timed out (request {int(err.item())})")
-        return statistics.median(times[1:])
+        return statistics.median(times)
 
     res = {"layers": L, "tokens": T, "out_per_layer": n_out, "regions": args.regions, "threads": args.threads,
            "expert_bytes": EXPERT_BYTES, "rows": []}

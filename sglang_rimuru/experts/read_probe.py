@@ -24,7 +24,7 @@ import time
 
 import torch
 
-__all__ = ["probe_in_place", "PROBE_ENV"]
+__all__ = ["describe", "probe_in_place", "PROBE_ENV"]
 
 PROBE_ENV = "SGLANG_RIMURU_PROBE_IN_PLACE"
 
