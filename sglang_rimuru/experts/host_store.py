@@ -21,10 +21,10 @@ import torch
 
 from .shapes import MoEShape
 
-__all__ = ["HostExpertStore", "hugepage_empty", "pin_in_place", "pin_kind", "pinnable_empty", "pinned_empty", "PIN_ENV"]
+__all__ = ["HostExpertStore", "aligned_empty", "hugepage_empty", "pin_in_place", "pin_kind", "pinnable_empty", "pinned_empty", "PIN_ENV"]
 
 #: ``SGLANG_RIMURU_HOST_PIN=torch``: page-lock with torch's pinned allocator instead;
-#: ``=hugepage``: register 2 MiB-aligned memory advised to use transparent huge pages
+#: ``=hugepage``: the default's 2 MiB-aligned memory, advised to use transparent huge pages
 PIN_ENV = "SGLANG_RIMURU_HOST_PIN"
 _CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
 #: registered host tensors live as long as the process (unregistering memory that
@@ -38,8 +38,8 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     torch's pinned allocator (``pin_memory=True``) rounds every allocation up
     to a power of two and pins all of it (``CachingHostAllocator``): one
     Qwen1.5-MoE-A2.7B layer's experts, 1.04 GB, pinned 2 GiB, 48 GiB of host
-    RAM for a 25 GB model. So this takes ordinary host memory and page-locks it
-    in place with ``cudaHostRegister`` (portable, mapped: with unified
+    RAM for a 25 GB model. So this takes ordinary host memory (2 MiB-aligned:
+    ``aligned_empty`` says why) and page-locks it in place with ``cudaHostRegister`` (portable, mapped: with unified
     addressing the GPU reads it at its host address, which the paged kernel's
     host pages rely on), as SGLang's own HiCache host pool does. The memory
     stays registered for the life of the process.
@@ -57,13 +57,14 @@ def pin_kind() -> str:
 
 def pinnable_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Host memory of exactly ``shape`` of the kind ``PIN_ENV`` names, not yet
-    page-locked: plain memory or huge pages, for ``pin_in_place`` later (serving
-    pins the host store only after the pool is sized: ``RimuruRuntime.build``).
-    ``torch``'s pinned allocator cannot pin in place, so that kind comes pinned."""
+    page-locked, for ``pin_in_place`` later (serving pins the host store only after
+    the pool is sized: ``RimuruRuntime.build``): 2 MiB-aligned plain memory
+    (``aligned_empty``), or the same advised to use huge pages. ``torch``'s pinned
+    allocator cannot pin in place, so that kind comes pinned."""
     how = pin_kind()
     if how == "torch":
         return torch.empty(shape, dtype=dtype, pin_memory=True)
-    return hugepage_empty(shape, dtype) if how == "hugepage" else torch.empty(shape, dtype=dtype, device="cpu")
+    return aligned_empty(shape, dtype, huge_pages=how == "hugepage")
 
 
 def pin_in_place(t: torch.Tensor) -> torch.Tensor:
@@ -81,26 +82,47 @@ def pin_in_place(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def hugepage_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Host memory of exactly ``shape``, 2 MiB aligned, with the kernel asked for
-    transparent huge pages (``MADV_HUGEPAGE``; a no-op where THP is off).
+def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
+    """Host memory of exactly ``shape`` starting on a 2 MiB boundary (its own
+    anonymous mapping, which the tensor keeps alive); ``huge_pages`` also asks the
+    kernel for transparent huge pages (``MADV_HUGEPAGE``; a no-op where THP is off).
 
-    For ``SGLANG_RIMURU_HOST_PIN=hugepage``: the GPU reads host pages in place
-    through its own translation of them, and 2 MiB pages need 512x fewer
-    entries than 4 KiB ones for the same experts. Whether that is faster is
-    measured by ``bench/device/zero_copy_diag.py``, not assumed.
+    Why aligned: the paged kernel reads an offloaded expert in place as tiles of
+    its rows, a few hundred bytes of each row per load. torch's CPU allocator
+    returns large blocks 64 B past a page start, so every such segment of a row
+    straddles a 128 B line (twice the PCIe read requests for the same bytes) and
+    every 4 KiB row (Qwen3-30B-A3B's hidden size) two host pages. On the H200
+    a 48-layer decode step reading 38 GB of experts in place ran at 41.6 GB/s from
+    that memory (``bench/device/cpu_split_step.py``; the server: 41) against 51.9
+    from 2 MiB-aligned memory (``bench/kernel/zero_copy_scale.py``), with the same
+    kernel and registration flags (``bench/RESULTS.md``, 2026-12-03, tenth session;
+    the direct A/B, one region read aligned and 64 B off, is
+    ``zero_copy_scale.py --host-offsets 64``).
+    The storage itself begins at the aligned address (not a view into a larger
+    one), since ``is_pinned`` and ``cudaHostRegister`` look at the storage's pointer.
     """
+    import ctypes
     import mmap
 
     align = 2 << 20
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     mm = mmap.mmap(-1, nbytes + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
         mm.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(mm, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % align
-    # frombuffer holds a reference to the mapping: it lives as long as the tensor's storage
-    return raw[start:start + nbytes].view(dtype).view(shape)
+    base = torch.frombuffer(mm, dtype=torch.uint8).data_ptr()
+    window = (ctypes.c_char * max(nbytes, 1)).from_address(base + (-base) % align)
+    window.mapping = mm  # the window does not own the memory: it keeps the mapping alive
+    # frombuffer keeps the window (and so the mapping) alive as long as the tensor's storage
+    return torch.frombuffer(window, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
+
+
+def hugepage_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``aligned_empty`` with transparent huge pages asked for
+    (``SGLANG_RIMURU_HOST_PIN=hugepage``): the GPU reads host pages in place through
+    its own translation of them, and 2 MiB pages need 512x fewer entries than 4 KiB
+    ones for the same experts. Whether that is faster is measured by
+    ``bench/device/zero_copy_diag.py``, not assumed."""
+    return aligned_empty(shape, dtype, huge_pages=True)
 
 
 class HostExpertStore:

@@ -403,14 +403,26 @@ def _read_in_place_like_the_reference(rig, host, g):
     return m
 
 
-def test_hugepage_host_memory_is_aligned_exact_and_writable(monkeypatch) -> None:
-    from sglang_rimuru.experts.host_store import PIN_ENV, hugepage_empty, pinned_empty
+@pytest.mark.parametrize("huge", [False, True])
+def test_aligned_host_memory_is_aligned_exact_writable_and_outlives_its_makers(huge, monkeypatch) -> None:
+    import gc
 
-    t = hugepage_empty((4, 1000, 3), torch.bfloat16)
-    assert t.shape == (4, 1000, 3) and t.dtype == torch.bfloat16 and t.is_contiguous()
-    assert t.data_ptr() % (2 << 20) == 0
-    t.fill_(2.0)
-    assert float(t.float().sum()) == 2.0 * 12_000
+    from sglang_rimuru.experts.host_store import PIN_ENV, aligned_empty, hugepage_empty, pinned_empty
+
+    make = hugepage_empty if huge else aligned_empty
+    ts = [make((4, 1000, 3), torch.bfloat16) for _ in range(3)]
+    gc.collect()  # only the tensors hold their mappings now
+    for i, t in enumerate(ts):
+        assert t.shape == (4, 1000, 3) and t.dtype == torch.bfloat16 and t.is_contiguous()
+        assert t.data_ptr() % (2 << 20) == 0 and t.untyped_storage().data_ptr() == t.data_ptr()
+        assert t.untyped_storage().nbytes() == 4 * 1000 * 3 * 2
+        t.fill_(float(i + 1))
+    assert [float(t.float().sum()) for t in ts] == [12_000.0, 24_000.0, 36_000.0]  # distinct memory
+    view = ts[0][1:3]
+    del ts
+    gc.collect()
+    assert float(view.float().sum()) == 6_000.0  # a view keeps the mapping alive
+    assert aligned_empty((0, 5), torch.bfloat16).numel() == 0
     monkeypatch.setenv(PIN_ENV, "hugepages")
     with pytest.raises(ValueError, match="SGLANG_RIMURU_HOST_PIN='hugepages'"):
         pinned_empty((2,), torch.bfloat16)
@@ -428,9 +440,10 @@ def test_pinnable_host_memory_is_exact_and_unpinned_until_pinned_in_place(pin, m
     shape = tiny_shape(E=8, I=16, H=32, k=2)
     layers = {l: pinnable_empty((8, 3, 16 * 32), torch.bfloat16) for l in shape.layer_ids}
     for t in layers.values():
-        assert not t.is_pinned() and t.untyped_storage().nbytes() >= 8 * 3 * 16 * 32 * 2
-        if pin == "register":
-            assert t.untyped_storage().nbytes() == 8 * 3 * 16 * 32 * 2
+        assert not t.is_pinned() and t.untyped_storage().nbytes() == 8 * 3 * 16 * 32 * 2
+        # the storage itself starts on a 2 MiB boundary: is_pinned and cudaHostRegister
+        # look at its pointer, and the paged kernel's row tiles must not straddle lines
+        assert t.untyped_storage().data_ptr() == t.data_ptr() and t.data_ptr() % (2 << 20) == 0
     store = HostExpertStore.adopt(shape, layers)
     assert store.pinned is False
     if torch.cuda.is_available():  # the pin itself needs CUDA (the GPU test below reads through it)
