@@ -22,12 +22,14 @@ import json
 import os
 
 #: every server real_shape_check.sh starts, in its order
-NAMES = ("off", "static_all", "static_all_fast", "static", "static_fast", "elastic")
+NAMES = ("off", "off2", "static_all", "static_all_fast", "static", "static_fast", "elastic")
 #: (numerator, denominator, label)
 PAIRS = (
     ("static_all_fast", "static_all", "fast/exact, every expert resident"),
     ("static_fast", "static", "fast/exact, experts offloaded"),
+    ("off2", "off", "off2/off: a second plain SGLang server, the spread between instances"),
     ("static_all", "off", "static_all/off"),
+    ("static_all", "off2", "static_all/off2"),
     ("static_all_fast", "off", "static_all_fast/off"),
     ("static", "off", "static/off"),
     ("static_fast", "off", "static_fast/off"),
@@ -70,6 +72,7 @@ def summarize(res: dict[str, dict]) -> dict:
             "from": r["_from"],
             "max_total_num_tokens": (r.get("server") or {}).get("max_total_num_tokens"),
             "decode_ms_per_step": {b: round(d["step_ms_median"], 3) for b, d in decode_by_batch(r).items()},
+            "decode_round_spread": {b: d["round_spread"] for b, d in decode_by_batch(r).items() if "round_spread" in d},
             "decode_fits_kv": {b: fits(r, d) for b, d in decode_by_batch(r).items()},
             "long_prefill_s": (r.get("long") or {}).get("s"),
             "long_prompt_tokens": (r.get("long") or {}).get("prompt_tokens"),
@@ -114,7 +117,9 @@ def show(s: dict) -> None:
     for n, v in s["servers"].items():
         marks = {b: f"{ms}{'' if v['decode_fits_kv'][b] else '*'}" for b, ms in v["decode_ms_per_step"].items()}
         print(f"{n}: decode ms/step {marks} | long prefill {fmt(v['long_prefill_s'])} s "
-              f"({v['long_prompt_tokens']} tokens) | KV {v['max_total_num_tokens']} tokens | errors {v['errors']}")
+              f"({v['long_prompt_tokens']} tokens) | KV {v['max_total_num_tokens']} tokens | errors {v['errors']}"
+              + (f" | spread over rounds { {b: fmt(x) for b, x in v['decode_round_spread'].items()} }"
+                 if v.get("decode_round_spread") else ""))
     for label, v in s["ratios"].items():
         dec = ", ".join(f"{b}: {fmt(x['ratio'])}{'' if x['both_fit_kv'] else '*'}" for b, x in v["decode"].items())
         print(f"{label}: decode per batch {{{dec}}} | long prefill {fmt(v['long_prefill'])}"

@@ -9,6 +9,8 @@
 #   bench/grammar_check.py (every structured-output kind, refusals) on each server.
 #   STATIC_SPLIT (the static stage's residency flags; Qwen1.5's 50 of 60 by default) and
 #   ELASTIC_LIMIT (20) for other shapes; EXTRA_FLAGS="--tp-size 2" for TP=2 (issue 14).
+#   off2: mode off again (the spread between two instances of one server, beside X/off ratios);
+#   REPEATS=N measures each decode batch N times in rounds (serve_probe.py --repeats).
 #   static_fast / static_all_fast: static / static_all with --rimuru-moe-kernel fast
 #   (the paged kernel's own configs, fused SiLU*up and top-k sum instead of SGLang's).
 #   A stage is skipped (and said so) when fewer than STAGE_S (170) seconds remain of
@@ -42,7 +44,7 @@ serve() {  # serve NAME PORT FLAGS...: start, wait for /health (stop early if it
 peak_mem() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; }
 probe() {  # probe NAME: run serve_probe, keep the pool lines and GPU memory
     timeout ${PROBE_S:-150} python3 bench/device/serve_probe.py http://127.0.0.1:$PORT "$OUT/$1.json" \
-        --batches ${BATCHES:-1,32} 2>&1 | tail -8
+        --batches ${BATCHES:-1,32} --repeats ${REPEATS:-1} 2>&1 | tail -${PROBE_LINES:-8}
     if [ "${GRAMMAR:-0}" = 1 ]; then
         timeout 120 python3 bench/grammar_check.py --url http://127.0.0.1:$PORT --refusals > "$OUT/$1_grammar.txt" 2>&1
         echo "$1 grammar check exit $? ($(grep -ac . "$OUT/$1_grammar.txt") lines):"; tail -4 "$OUT/$1_grammar.txt"
@@ -65,6 +67,7 @@ for stage in $STAGES; do
         timeout 200 python3 -m pytest -q -p no:cacheprovider -x --tb=short tests/kernels/test_paged_moe.py \
             tests/experts/test_compute.py -k "host or gpu" 2>&1 | grep -av -i warn | tail -30 ;;
     off) run off 30000 ;;
+    off2) run off2 30006 ;;  # a second plain server: how far two instances of the same one differ
     sweep) timeout ${SWEEP_S:-150} python3 bench/kernel/zero_copy_sweep.py --out "$OUT/zero_copy_sweep.json" \
         --budget-s $(( ${SWEEP_S:-150} - 40 )) 2>&1 | grep -av -i warn | tail -45 ;;
     static_all) run static_all 30003 --rimuru-mode static --rimuru-expert-offload-limit 0 ;;

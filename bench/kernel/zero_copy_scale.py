@@ -16,6 +16,9 @@ layers with the copy engine, moves ~58 GB/s. This separates the suspects:
   size of serving's (working set L x k x 9 MiB, what the GPU must translate);
 - ``spread_thp``: the same over transparent huge pages (MADV_HUGEPAGE, then registered:
   SGLANG_RIMURU_HOST_PIN=hugepage);
+- ``spread+N`` (``--host-offsets N``): ``spread`` with the region starting N bytes past
+  its 2 MiB boundary (64: where torch's CPU allocator puts a large block, and where the
+  server's host store started before it was made 2 MiB-aligned);
 - ``copy``: the copy engine moving the same experts (one cudaMemcpyAsync of 9 MiB per
   expert, host slot -> a device staging buffer), eager, as the offload path would.
 
@@ -64,17 +67,17 @@ def median_ms(run, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def host_region(slots: int, thp: bool) -> tuple[torch.Tensor, object]:
+def host_region(slots: int, thp: bool, offset: int = 0) -> tuple[torch.Tensor, object]:
     """``slots`` experts' worth of page-locked, mapped host memory (cudaHostRegister,
-    as the server's host store); with ``thp`` the mapping is 2 MiB aligned and
-    MADV_HUGEPAGE first. Returns the tensor and what must outlive it."""
+    as the server's host store), starting ``offset`` bytes past a 2 MiB boundary; with
+    ``thp`` MADV_HUGEPAGE first. Returns the tensor and what must outlive it."""
     nbytes = slots * EXPERT_BYTES
     align = 2 << 20
-    mm = mmap.mmap(-1, nbytes + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mm = mmap.mmap(-1, nbytes + align + offset, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if thp and hasattr(mmap, "MADV_HUGEPAGE"):
         mm.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(mm, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % align
+    start = (-raw.data_ptr()) % align + offset
     t = raw[start:start + nbytes].view(torch.bfloat16)
     # one registration per layer's worth (128 experts), as the server's host store pins
     # each layer's tensor (one 38 GiB registration returned success yet left it unpinned)
@@ -133,6 +136,10 @@ def main() -> None:
                          "default exact kernel runs, with SGLang's activation)")
     ap.add_argument("--stages", default="cfg",
                     help="compact only, comma separated: num_stages for both GEMMs, or cfg (the config's)")
+    ap.add_argument("--host-offsets", default="",
+                    help="comma separated byte offsets (even): each adds a spread+N layout, the spread region "
+                         "starting N bytes past its 2 MiB boundary (64: the server's host store before 2 MiB "
+                         "alignment)")
     ap.add_argument("--blocking-sync", action="store_true",
                     help="wait for each timed step asleep (blocking CUDA events), leaving every host core idle "
                          "while the GPU reads host memory, as a server waiting on the GPU may; default: spin")
@@ -291,14 +298,17 @@ def main() -> None:
     release(keep)
     del host, keep
 
-    for layout, thp in (("spread", False), ("spread_thp", True)):
-        if layout not in args.layouts.split(","):
+    offsets = [int(x) for x in args.host_offsets.split(",") if x]
+    assert all(o >= 0 and o % 2 == 0 for o in offsets), f"--host-offsets {args.host_offsets}: even byte counts"
+    spreads = [("spread", False, 0), ("spread_thp", True, 0)] + [(f"spread+{o}", False, o) for o in offsets]
+    for layout, thp, offset in spreads:
+        if layout not in args.layouts.split(",") and not offset:
             continue
         if time.time() - t_start > args.budget_s:
             res["skipped"] = res.get("skipped", []) + [layout]
             continue
         t0 = time.time()
-        host, keep = host_region(slots, thp=thp)
+        host, keep = host_region(slots, thp=thp, offset=offset)
         res[f"{layout}_register_s"] = time.time() - t0
         res[f"{layout}_anon_huge_kib"] = anon_huge_kib()
         print(f"{layout}: registered {args.region_gib} GiB in {res[f'{layout}_register_s']:.1f} s, "
