@@ -165,7 +165,7 @@ def main() -> None:
     ap.add_argument("--regions", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=100)
     ap.add_argument("--out-per-layer", type=int, default=84)
-    ap.add_argument("--cpu-experts", default="0,21,32,42,52,84")
+    ap.add_argument("--cpu-experts", default="0,14,21,28,42,56,84")
     ap.add_argument("--threads", type=int, default=14, help="host threads computing experts (torch's own set to 1)")
     ap.add_argument("--budget-s", type=float, default=240)
     args = ap.parse_args()

@@ -95,7 +95,6 @@ class CpuExperts:
         if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
             raise ValueError(f"x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, "
                              f"topk_weights {tuple(topk_weights.shape)}: expected [T, H], [T, k], [T, k]")
-        T, _ = x.shape
         k = topk_ids.shape[1]
         work = self.routed(topk_ids, experts)
 
@@ -115,12 +114,31 @@ class CpuExperts:
             n = min(self.threads, len(items))
             parts = list(self._pool.map(lambda i: [one(it) for it in items[i::n]], range(n)))
             ys = [parts[j % n][j // n] for j in range(len(items))]
-        # SGLang's combine, on the slots of these experts (the others hold zeros, which add
-        # nothing): per-slot outputs in the routing weights' dtype, times them, summed over k
-        per_slot = x.new_zeros(T * k, x.shape[1])
-        for (_, slots), y in zip(items, ys):
-            per_slot[slots] = y
-        combined = per_slot.view(T, k, -1).type(topk_weights.dtype).mul_(topk_weights.unsqueeze(-1)).sum(dim=1)
+        return self._combine(x, topk_weights, items, ys, out)
+
+    @staticmethod
+    def _combine(x: torch.Tensor, topk_weights: torch.Tensor, items: list[tuple[int, torch.Tensor]],
+                 ys: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
+        """SGLang's combine (per-slot outputs in the routing weights' dtype, times them,
+        summed over the top-k in slot order, rounded once to x's dtype) over only the
+        slots of these experts. SGLang sums a ``[T, k, H]`` tensor in which every other
+        slot holds zeros; adding the present slots in the same order k by k gives the
+        same values (x + 0 == x), without making, converting and summing the T x k x H
+        tensor: on the H200's host that was ~5 ms a layer, single-threaded, whatever
+        the number of experts (bench/RESULTS.md, tenth session), more than a round of
+        expert matmuls. Each slot index ``t * k + j`` appears once, so for one j the
+        rows added are distinct and ``index_add_`` adds each exactly once."""
+        T, k = topk_weights.shape
+        acc = torch.zeros(T, x.shape[1], dtype=topk_weights.dtype)
+        if items:
+            slots = torch.cat([s for _, s in items])
+            y = torch.cat(ys)
+            w = topk_weights.reshape(-1)
+            for j in range(k):
+                sel = torch.nonzero(slots % k == j).reshape(-1)
+                if sel.numel():
+                    at = slots[sel]
+                    acc.index_add_(0, at // k, y[sel].type(acc.dtype).mul_(w[at].unsqueeze(-1)))
         if out is None:
-            return combined.type(x.dtype)
-        return out.copy_(combined)
+            return acc.type(x.dtype)
+        return out.copy_(acc)
