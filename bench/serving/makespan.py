@@ -79,9 +79,10 @@ def load_outputs(num: int, lens: Path = LENS) -> list[int]:
 
 def floor_of_run(run: dict, step_ms: float = FASTEST_STEP_MS, lens: Path = LENS) -> Floor | None:
     """The floor of a run_one.py result, or None when its traffic is not the lens file's
-    (another seed's sample: its total output tokens differ) or it has no bench summary."""
+    (another seed's sample: its total output tokens differ), it has no bench summary, or it
+    has no one rate (phased traffic, bench/serving/phases.py)."""
     total = run.get("bench", {}).get("total_output_tokens")
-    if total is None or not Path(lens).exists():
+    if total is None or run.get("rate") is None or not Path(lens).exists():
         return None
     outputs = load_outputs(run["num_prompts"], lens)
     if sum(outputs) != total:

@@ -9,7 +9,8 @@ that system at each run's own rate (throughput, TTFT median, peak running, TPOT
 median; ``NAME_rRATE`` against ``NAME-OF-BASELINE_rRATE``). ``--floor-step-ms
 [MS]`` adds each run's duration against its traffic's floor (``makespan.py``:
 below saturation the arrivals and the longest outputs, not the server, set the
-duration). ``--plots DIR``
+duration). Phased runs (``run_one.py --phases``) get a second table, phase by phase;
+they have no one rate, so no floor and no place in the rate plot. ``--plots DIR``
 writes PNGs (matplotlib; the H200 image has it): the pool split over time
 (resident experts from the adjuster trace) beside the waiting queue, one per
 elastic run, and output throughput / TTFT median against request rate when
@@ -110,12 +111,25 @@ def floors(results: list[dict], step_ms: float, lens: Path) -> str:
             continue
         f = floor_of_run(r, step_ms, lens)
         if f is None:
-            lines.append(f"| {r['name']} | {r['bench'].get('duration', 0):.1f} | - (not the lens file's sample) "
-                         "| - | - | - | - |")
+            why = "phased traffic" if r.get("phases") else "not the lens file's sample"
+            lines.append(f"| {r['name']} | {r['bench'].get('duration', 0):.1f} | - ({why}) | - | - | - | - |")
             continue
         tput = r["bench"]["output_throughput"]
         lines.append(f"| {r['name']} | {r['bench']['duration']:.1f} | {f.makespan_s:.1f} | #{f.binding} "
                      f"({f.binding_output}) | {tput:.0f} | {f.ceiling_tok_s:.0f} | {tput / f.ceiling_tok_s:.0%} |")
+    return "\n".join(lines)
+
+
+def phase_table(results: list[dict]) -> str:
+    """Phased runs (run_one.py --phases), phase by phase: bench_serving's figures for each."""
+    lines = ["| system | phase | rate req/s | completed | duration s | output tok/s | TTFT med / p99 s | "
+             "TPOT med / p99 ms |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for i, p in enumerate(r.get("phases") or [], 1):
+            lines.append(f"| {r['name']} | {i} | {p['rate']:g} | {p.get('completed', 0)}/{p['num_prompts']} | "
+                         f"{p.get('duration', 0):.1f} | {p.get('output_throughput', 0):.0f} | "
+                         f"{p.get('median_ttft_ms', 0) / 1e3:.2f} / {p.get('p99_ttft_ms', 0) / 1e3:.2f} | "
+                         f"{p.get('median_tpot_ms', 0):.2f} / {p.get('p99_tpot_ms', 0):.2f} |")
     return "\n".join(lines)
 
 
@@ -168,7 +182,8 @@ def plots(results: list[dict], out: Path, step_ms: float | None = None, lens: Pa
         made.append(path)
     by_system = defaultdict(list)
     for r in results:
-        by_system[RATE_SUFFIX.sub("", r["name"])].append(r)
+        if r.get("rate") is not None:  # a phased run has no one rate to plot at
+            by_system[RATE_SUFFIX.sub("", r["name"])].append(r)
     by_system = {s: rs for s, rs in by_system.items() if len({r["rate"] for r in rs}) > 1}
     if by_system:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -215,6 +230,9 @@ def main() -> None:
         raise SystemExit(f"--floor-step-ms needs the lens file: {args.lens} does not exist (--lens FILE)")
     results = load(args.results)
     print(table(results))
+    if any(r.get("phases") for r in results):
+        print()
+        print(phase_table(results))
     if args.baseline:
         print()
         print(ratios(results, args.baseline))

@@ -50,6 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from sglang_rimuru.adjuster.cost import step_record_path  # noqa: E402
 from sglang_rimuru.serving import start_local_server  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from phases import aggregate, parse_phases, phase_datasets, phase_summary  # noqa: E402
+
 #: what the lent H200 needs (no flashinfer there; bench/device/setup_device.sh)
 DEVICE_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
 H200_MIB = 143_771
@@ -232,11 +235,20 @@ def main() -> None:
     ap.add_argument("--device-flags", default=" ".join(DEVICE_FLAGS))
     ap.add_argument("--skew", type=float, default=0.0,
                     help="skew the dummy routers: bias -s*log(1+rank) per layer (bench/serving/skew)")
+    ap.add_argument("--phases", default=None, metavar="RATE:NUM,...",
+                    help="phased traffic (bench/serving/phases.py): one bench_serving run per phase against "
+                         "the same server, each from its own slice of the dataset; overrides --rate and "
+                         "--num-prompts; --budget-s covers all phases")
     ap.add_argument("server_args", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     server_args = [a for a in args.server_args if a != "--"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        phases = parse_phases(args.phases) if args.phases else [(args.rate, args.num_prompts)]
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    num_prompts = sum(n for _, n in phases)
 
     dataset = Path(args.dataset)
     if dataset.suffix == ".gz":  # bench_serving reads plain JSON
@@ -245,6 +257,7 @@ def main() -> None:
             with gzip.open(dataset) as src, open(plain, "wb") as dst:
                 shutil.copyfileobj(src, dst)
         dataset = plain
+    datasets = phase_datasets(dataset, [n for _, n in phases], Path("/tmp")) if args.phases else [dataset]
 
     flags = ["--model-path", args.model, "--load-format", "dummy", "--chunked-prefill-size", "2048",
              "--cuda-graph-max-bs", str(args.cuda_graph_max_bs), *args.device_flags.split()]
@@ -266,36 +279,47 @@ def main() -> None:
     sampler.watch(srv.proc.pid)  # from here on (the weights are loaded: what stays resident)
     ready_s = time.time() - t_launch
     port = srv.url.rsplit(":", 1)[1]
-    bench_out = out / f"{args.name}_bench.jsonl"
-    bench_out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1",
-           "--port", port, "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
-           "--num-prompts", str(args.num_prompts), "--request-rate", str(args.rate), "--seed", str(args.seed),
-           "--sharegpt-context-len", str(args.context_len), "--tokenizer", args.model, "--output-file", str(bench_out),
-           "--disable-tqdm"]
     t0 = time.time()
     stopped = False
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.budget_s)
-        bench_log = proc.stdout[-3000:] + proc.stderr[-2000:]
-    except subprocess.TimeoutExpired as exc:
-        stopped = True
-        bench_log = f"stopped after {args.budget_s} s"
-        del exc
+    results, bench_logs = [], []
+    for i, ((rate, num), data) in enumerate(zip(phases, datasets)):
+        bench_out = out / (f"{args.name}_bench.jsonl" if not args.phases else f"{args.name}_bench_phase{i + 1}.jsonl")
+        bench_out.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1",
+               "--port", port, "--dataset-name", "sharegpt", "--dataset-path", str(data),
+               "--num-prompts", str(num), "--request-rate", str(rate), "--seed", str(args.seed),
+               "--sharegpt-context-len", str(args.context_len), "--tokenizer", args.model,
+               "--output-file", str(bench_out), "--disable-tqdm", *(["--output-details"] if args.phases else [])]
+        left = args.budget_s - (time.time() - t0)
+        try:
+            if left <= 0:
+                raise subprocess.TimeoutExpired(cmd, 0)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+            bench_logs.append(proc.stdout[-3000:] + proc.stderr[-2000:])
+        except subprocess.TimeoutExpired:
+            stopped = True
+            bench_logs.append(f"stopped after {args.budget_s} s")
+        result = json.loads(bench_out.read_text().splitlines()[-1]) if bench_out.exists() else {}
+        # bench_serving writes its result before it exits; one that finished the traffic and
+        # only overran the budget while exiting (or loading its tokenizer) was not stopped
+        stopped = stopped and result.get("completed") != num
+        results.append(result)
+        if stopped:
+            break
+    bench_log = "\n".join(bench_logs)
     traffic_s = time.time() - t0
     sampler.stop()
     log = log_path.read_text(errors="replace")
     srv.stop()
-    result = json.loads(bench_out.read_text().splitlines()[-1]) if bench_out.exists() else {}
-    # bench_serving writes its result before it exits; one that finished the traffic and
-    # only overran the budget while exiting (or loading its tokenizer) was not stopped
-    stopped = stopped and result.get("completed") != args.num_prompts
+    result = aggregate(results) if args.phases else results[0]
     res = {
         "name": args.name, "server_args": server_args, "card_gib": args.card_gb, "router_skew": args.skew,
-        "fraction": card_fraction(args.card_gb), "rate": args.rate, "num_prompts": args.num_prompts,
-        "seed": args.seed,
+        # a phased run has no one rate (report.py leaves it out of rate plots and traffic floors)
+        "fraction": card_fraction(args.card_gb), "rate": None if args.phases else args.rate,
+        "num_prompts": num_prompts, "seed": args.seed,
+        **({"phases": [phase_summary(rate, num, r) for (rate, num), r in zip(phases, results)]} if args.phases else {}),
         "ready_s": round(ready_s, 1), "traffic_s": round(traffic_s, 1), "stopped_at_budget": stopped,
-        "all_completed": result.get("completed") == args.num_prompts,
+        "all_completed": result.get("completed") == num_prompts,
         "bench": {k: v for k, v in result.items() if not isinstance(v, list)},
         "log": log_stats(log),
         "peak_gpu_mib": sampler.peak_gpu_mib, "peak_process_mib": sampler.peak_process_mib,
@@ -309,7 +333,7 @@ def main() -> None:
     }
     (out / f"{args.name}.json").write_text(json.dumps(res, indent=1))
     b = res["bench"]
-    print(f"{args.name}: completed {b.get('completed')}/{args.num_prompts} in {b.get('duration', 0):.1f} s; "
+    print(f"{args.name}: completed {b.get('completed')}/{num_prompts} in {b.get('duration', 0):.1f} s; "
           f"out {b.get('output_throughput', 0):.0f} tok/s; TTFT med {b.get('median_ttft_ms', 0):.0f} "
           f"p99 {b.get('p99_ttft_ms', 0):.0f} ms; TPOT med {b.get('median_tpot_ms', 0):.2f} "
           f"p99 {b.get('p99_tpot_ms', 0):.2f} ms; peak running {res['log']['peak_running']}; "

@@ -255,3 +255,33 @@ def test_a_stopped_run_counts_its_tokens_from_the_pass_record(tmp_path):
                    "decode_passes": 3, "mixed_passes": 1, "extend_passes": 1}
     assert run_one.pass_tokens(path, t_from=60.0) is None
     assert run_one.pass_tokens(tmp_path / "missing.steps.jsonl", t_from=0.0) is None
+
+
+def test_phased_traffic_on_cpu(tmp_path, model_dir):
+    """run_one.py --phases: one server, one bench_serving run per phase from disjoint slices
+    of the dataset, each phase's figures and the aggregate over every request; report.py's
+    phase table (and no traffic floor: a phased run has no one rate)."""
+    model = str(ensure_model("tiny-qwen2-moe-q15-ratio", cache_dir=model_dir))
+    data = sharegpt_file(tmp_path / "sharegpt.json", 12)
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "bench/serving/run_one.py"), "--name", "phased_cpu", "--model", model,
+           "--card-gb", "0", "--device-flags", "", "--phases", "2:3,8:6", "--dataset", str(data),
+           "--context-len", "512", "--out", str(out), "--budget-s", "240", "--",
+           "--rimuru-mode", "static", "--rimuru-pool-gb", f"{POOL_GB:.9f}", "--context-length", "512"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "phased_cpu.json").read_text())
+    assert res["all_completed"] and res["num_prompts"] == 9 and res["rate"] is None, res["bench_log_tail"]
+    assert [(p["rate"], p["num_prompts"], p["completed"]) for p in res["phases"]] == [(2.0, 3, 3), (8.0, 6, 6)]
+    b = res["bench"]
+    assert b["completed"] == 9 and b["median_ttft_ms"] > 0 and b["median_tpot_ms"] > 0
+    assert b["total_output_tokens"] == sum(p["total_output_tokens"] for p in res["phases"])
+    assert b["duration"] == pytest.approx(sum(p["duration"] for p in res["phases"]))
+    assert (out / "phased_cpu_bench_phase1.jsonl").exists() and (out / "phased_cpu_bench_phase2.jsonl").exists()
+
+    rep = subprocess.run([sys.executable, str(ROOT / "bench/serving/report.py"), str(out / "phased_cpu.json"),
+                          "--floor-step-ms"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert rep.returncode == 0, rep.stderr
+    assert "| phased_cpu | 0 GB | 9/9 |" in rep.stdout
+    assert "| phased_cpu | 2 | 8 | 6/6 |" in rep.stdout
+    assert "- (phased traffic)" in rep.stdout
