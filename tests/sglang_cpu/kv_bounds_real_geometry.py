@@ -49,8 +49,12 @@ class Runtime(types.SimpleNamespace):
         return self.geometry.num_kv_page_ids * self.plan.page_size
 
     @property
-    def kv_capacity_tokens(self):  # static mode's: what the pool gives KV now
+    def kv_tokens_now(self):
         return self.page_pool.kv_capacity_now() * self.plan.page_size
+
+    @property
+    def kv_capacity_tokens(self):  # static mode's: what the pool gives KV now
+        return self.kv_tokens_now
 
 
 def check(name: str, resident: int, limit: int) -> None:

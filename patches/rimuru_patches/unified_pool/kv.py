@@ -291,8 +291,7 @@ def pooled_kv_pool_class(runtime) -> type:
 
 def kv_line_note(runtime, id_space_tokens: int) -> str:
     """The line after SGLang's "KV Cache is allocated ... #tokens: N": N is the id space."""
-    now = runtime.page_pool.kv_capacity_now() * runtime.plan.page_size
     return (f"sglang-rimuru: the KV cache line above counts the unified pool's KV id space ({id_space_tokens} "
             f"token slots over {runtime.geometry.pool_bytes / 2**30:.3f} GiB shared with expert weights); "
-            f"KV can hold {now} tokens now, at most {runtime.kv_capacity_tokens}"
+            f"KV can hold {runtime.kv_tokens_now} tokens now, at most {runtime.kv_capacity_tokens}"
             + (" as experts are evicted" if runtime.config.mode == "elastic" else ""))

@@ -171,16 +171,20 @@ class RimuruRuntime:
         return self.geometry.num_kv_page_ids * self.plan.page_size
 
     @property
+    def kv_tokens_now(self) -> int:
+        """KV tokens the pool can hold with today's residency (free and KV pages)."""
+        return self.page_pool.kv_capacity_now() * self.plan.page_size
+
+    @property
     def kv_capacity_tokens(self) -> int:
         """KV tokens SGLang may ever hold: now (static), or once every expert the
         offload limit lets go has left the pool (elastic; KV pages per expert page
         counted at the geometry's minimum, so it is always reachable)."""
-        now = self.page_pool.kv_capacity_now()
         if self.elastic is None:
-            return now * self.plan.page_size
+            return self.kv_tokens_now
         min_resident = len(self.shape.layer_ids) * (self.shape.num_experts - self.plan.offload_limit)
         evictable_pages = 3 * max(0, self.residency.num_resident() - min_resident)
-        return (now + evictable_pages * self.plan.kv_pages_per_expert_page) * self.plan.page_size
+        return self.kv_tokens_now + evictable_pages * self.plan.kv_pages_per_expert_page * self.plan.page_size
 
     # -- building ---------------------------------------------------------
 
@@ -317,7 +321,7 @@ class RimuruRuntime:
             shape.num_experts,
             len(shape.layer_ids),
             plan.buffer_slots,
-            page_pool.kv_capacity_now() * plan.page_size,
+            runtime.kv_tokens_now,
             runtime.kv_capacity_tokens,
             len(shape.layer_ids) * shape.num_experts,
             host.nbytes / GIB,
