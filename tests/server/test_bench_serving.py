@@ -279,8 +279,11 @@ def test_phased_traffic_on_cpu(tmp_path, model_dir):
     assert b["duration"] == pytest.approx(sum(p["duration"] for p in res["phases"]))
     assert (out / "phased_cpu_bench_phase1.jsonl").exists() and (out / "phased_cpu_bench_phase2.jsonl").exists()
 
+    lens = tmp_path / "lens.json"  # any lens file: a phased run gets no floor whatever it holds
+    lens.write_text("[[10, 10]]")
     rep = subprocess.run([sys.executable, str(ROOT / "bench/serving/report.py"), str(out / "phased_cpu.json"),
-                          "--floor-step-ms"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+                          "--floor-step-ms", "--lens", str(lens)], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
     assert rep.returncode == 0, rep.stderr
     assert "| phased_cpu | 0 GB | 9/9 |" in rep.stdout
     assert "| phased_cpu | 2 | 8 | 6/6 |" in rep.stdout
