@@ -124,9 +124,10 @@ class CpuExperts:
         slots of these experts. SGLang sums a ``[T, k, H]`` tensor in which every other
         slot holds zeros; adding the present slots in the same order k by k gives the
         same values (x + 0 == x), without making, converting and summing the T x k x H
-        tensor: on the H200's host that was ~5 ms a layer, single-threaded, whatever
-        the number of experts (bench/RESULTS.md, tenth session), more than a round of
-        expert matmuls. Each slot index ``t * k + j`` appears once, so for one j the
+        tensor, single-threaded whatever the number of experts: the likely bulk of the
+        5.6 ms a layer that the H200 run's host times fit as their fixed part (0.31 ms
+        an expert beside it; bench/RESULTS.md, tenth session; inferred from that fit,
+        not timed apart). Each slot index ``t * k + j`` appears once, so for one j the
         rows added are distinct and ``index_add_`` adds each exactly once."""
         T, k = topk_weights.shape
         acc = torch.zeros(T, x.shape[1], dtype=topk_weights.dtype)
