@@ -43,9 +43,15 @@ def bench_module(relpath: str):
 
 def start_server(args: list[str], log_path: Path, env: dict | None = None) -> Server:
     """A server through the launcher, forked from the warm interpreter (saves the ~14 s
-    its imports of torch and the web stack take; SGLang's own processes start fresh)."""
+    its imports of torch and the web stack take; SGLang's own processes start fresh).
+    With a GPU it starts as a fresh process instead: SGLang's imports ask CUDA for the
+    device's capability, which torch refuses in a child forked from an interpreter that
+    touched CUDA ("Cannot re-initialize CUDA in forked subprocess", the H200, 2026-12-03)."""
+    import torch
+
+    popen = None if torch.cuda.is_available() else warm_popen
     return start_local_server(args, log_path, timeout=STARTUP_TIMEOUT_S, env={**CHECKED_SGLANG, **(env or {})},
-                              popen=warm_popen)
+                              popen=popen)
 
 
 @pytest.fixture(scope="session")
