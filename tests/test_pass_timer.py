@@ -70,6 +70,47 @@ def test_unread_passes_are_capped():
     assert [b for b, _, _ in timer.collect()] == [3, 4, 5] and timer.dropped == 2
 
 
+class FakeMemory:
+    """``CudaMemory.span()`` over a peak and a reserved figure the test sets (MiB)."""
+
+    def __init__(self) -> None:
+        self.peak, self.reserved, self.spans = 0, 0, 0
+
+    def span(self) -> tuple[int, int]:
+        self.spans += 1
+        out = self.peak << 20, self.reserved << 20
+        self.peak = 0  # reset, as torch.cuda.reset_peak_memory_stats
+        return out
+
+
+def test_each_pass_gets_the_allocator_peak_up_to_the_next_pass():
+    """A span runs from one pass's start to the next one's: what the pass, its sampling
+    and anything between them took is charged to that pass; the last span stays open."""
+    mem = FakeMemory()
+    timer = pass_timer.PassTimer(FakeEvent, memory=mem)
+    mem.peak, mem.reserved = 5, 100  # before the first pass: charged to nothing
+    _pass(timer, 160, 1.0)
+    mem.peak, mem.reserved = 900, 31000
+    _pass(timer, 200, 1.0, "mixed")
+    assert timer.collect_memory() == [["decode", 160, 900, 31000]]
+    assert timer.collect_memory() == []
+    mem.peak, mem.reserved = 2500, 33000
+    _pass(timer, 240, 1.0)
+    mem.peak, mem.reserved = 1400, 34000
+    _pass(timer, 8, 1.0)
+    assert timer.collect_memory() == [["mixed", 200, 2500, 33000], ["decode", 240, 1400, 34000]]
+    assert mem.spans == 4
+
+
+def test_cuda_memory_reads_the_peak_then_resets_it():
+    calls = []
+    cuda = SimpleNamespace(max_memory_allocated=lambda: calls.append("peak") or 3 << 20,
+                           memory_reserved=lambda: calls.append("reserved") or 7 << 20,
+                           reset_peak_memory_stats=lambda: calls.append("reset"))
+    assert pass_timer.CudaMemory(cuda).span() == (3 << 20, 7 << 20)
+    assert calls == ["peak", "reserved", "reset"]
+
+
 @pytest.fixture
 def seam(monkeypatch):
     """unified_pool's ModelRunner.forward wrapper over a stand-in runtime with a trace on CUDA."""
@@ -84,6 +125,7 @@ def seam(monkeypatch):
     capturing = [False]
     monkeypatch.setattr(up.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     monkeypatch.setattr(up.torch.cuda, "Event", lambda enable_timing: FakeEvent())
+    monkeypatch.setattr(pass_timer, "CudaMemory", lambda cuda: FakeMemory())
     forward = up._forward(lambda self, fb: calls.append(("pass", fb.batch_size)) or "out", None)
 
     def run(decode: bool, batch: int, capture: bool = False, mixed: bool = False, idle: bool = False):
@@ -104,6 +146,7 @@ def test_the_forward_seam_times_passes_with_their_kind_but_not_captures(seam):
     run(True, 8, capture=True)  # a graph being captured: events may not be recorded there
     timer = pass_timer.current()
     assert [(b, k) for b, k, s, e in timer._pending] == [(7, "decode"), (12, "extend"), (40, "mixed")]
+    assert [(k, b) for k, b, _, _ in timer.collect_memory()] == [("decode", 7), ("extend", 12)]  # 40's span is open
     assert calls == ["begin", ("pass", 7), "end", "begin", ("pass", 12), "end", "begin", ("pass", 40), "end",
                      "begin", ("pass", 0), "end", "begin", ("pass", 8), "end"]
 
@@ -121,9 +164,9 @@ def _step_timing(monkeypatch, tmp_path, refit_rounds: int, dump_s: float):
     st = elastic._StepTiming
     for name, value in (("clock", None), ("last", None), ("before_last", False), ("reads_key", None),
                         ("reads", 0.0), ("rounds", 0), ("pending", None), ("gpu_pending", []),
-                        ("passes_pending", []), ("REFIT_ROUNDS", refit_rounds), ("DUMP_S", dump_s), ("dumped", 0.0)):
+                        ("passes_pending", []), ("mem_pending", []), ("REFIT_ROUNDS", refit_rounds), ("DUMP_S", dump_s), ("dumped", 0.0)):
         monkeypatch.setattr(st, name, value)
-    timer = pass_timer.PassTimer(FakeEvent)
+    timer = pass_timer.PassTimer(FakeEvent, memory=FakeMemory())
     monkeypatch.setattr(pass_timer, "_TIMER", timer)
     now = [0.0]
     monkeypatch.setattr(elastic.time, "monotonic", lambda: now[0])
@@ -168,3 +211,6 @@ def test_prefill_passes_go_under_passes_and_the_record_is_written_every_dump_s(m
     assert [len(line["steps"]) for line in lines] == [1, 1]
     assert [line["passes"] for line in lines] == [[], [["mixed", 6, 900.0]]]
     assert [len(line["gpu"]) for line in lines] == [3, 2]
+    # each pass's allocator span (closed when the next pass began) under "memory"
+    assert [[(k, b) for k, b, _, _ in line["memory"]] for line in lines] == [
+        [("decode", 4)] * 2, [("decode", 4), ("mixed", 6), ("decode", 4)]]

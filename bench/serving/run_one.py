@@ -202,6 +202,29 @@ def pass_tokens(path: Path, t_from: float) -> dict | None:
             "extend_passes": sum(k == "extend" for k, _ in prefill)}
 
 
+def pass_memory(path: Path) -> dict | None:
+    """What the caching allocator did per pass (the step record's ``"memory"`` rows:
+    ``[kind, batch, peak allocated MiB, reserved MiB]``, ``pass_timer.py``): by pass kind,
+    the largest batch, the highest peak and the batch it came with, and the reserved
+    MiB after the last pass and at most. Reserved past the peaks is the allocator's cache
+    (blocks of earlier sizes kept); peaks growing with the batch are live tensors. None
+    without rows (no trace, not CUDA, or a record from before ``"memory"``)."""
+    if not path.exists():
+        return None
+    rows = [r for x in path.read_text().splitlines() if x.strip() for r in json.loads(x).get("memory", [])]
+    if not rows:
+        return None
+    kinds = {}
+    for kind, batch, peak, reserved in rows:
+        k = kinds.setdefault(kind, {"passes": 0, "max_batch": 0, "peak_mib": -1, "peak_at_batch": None})
+        k["passes"] += 1
+        k["max_batch"] = max(k["max_batch"], batch)
+        if peak > k["peak_mib"]:
+            k["peak_mib"], k["peak_at_batch"] = peak, batch
+    return {"by_kind": kinds, "reserved_mib_last": rows[-1][3], "reserved_mib_max": max(r[3] for r in rows),
+            "peak_mib_max": max(r[2] for r in rows)}
+
+
 def trace_summary(path: Path) -> dict | None:
     if not path.exists():
         return None
@@ -328,6 +351,7 @@ def main() -> None:
         "trace": trace_summary(trace),
         "steps": step_summary(Path(step_record_path(str(trace)))),
         "pass_tokens": pass_tokens(Path(step_record_path(str(trace))), t0),
+        "pass_memory": pass_memory(Path(step_record_path(str(trace)))),
         "tracebacks": log.count("Traceback"),
         "bench_log_tail": bench_log[-1500:],
     }
@@ -346,7 +370,11 @@ def main() -> None:
              f"{res['log']['gen_tok_s_lines']} lines)" if stopped else "")
           + (f"; pass record: {pt['tokens']} tokens in {pt['seconds']} s = {pt['tok_s']} tok/s "
              f"({pt['decode_passes']} decode, {pt['mixed_passes']} mixed, {pt['extend_passes']} extend passes)"
-             if (pt := res["pass_tokens"]) else ""), flush=True)
+             if (pt := res["pass_tokens"]) else "")
+          + (f"; allocator: peak {pm['peak_mib_max']} MiB, reserved up to {pm['reserved_mib_max']} MiB ("
+             + ", ".join(f"{k} peak {v['peak_mib']} MiB at batch {v['peak_at_batch']}, largest batch {v['max_batch']}"
+                         for k, v in pm["by_kind"].items()) + ")"
+             if (pm := res["pass_memory"]) else ""), flush=True)
 
 
 if __name__ == "__main__":

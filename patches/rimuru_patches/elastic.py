@@ -296,6 +296,7 @@ class _StepTiming:
     pending: list | None = None  # [batch, ms, reads] timed since the last dump (with a trace)
     gpu_pending: list = []  # [batch, GPU ms] of decode passes since the last dump (with a trace, on CUDA)
     passes_pending: list = []  # [kind, batch, GPU ms] of extend and mixed passes since then
+    mem_pending: list = []  # [kind, batch, peak allocated MiB, reserved MiB] of passes since then
 
     @classmethod
     def round(cls, scheduler, ctl, batch) -> None:
@@ -330,6 +331,7 @@ class _StepTiming:
                     cls.gpu_pending.append([b, ms])
                 else:
                     cls.passes_pending.append([kind, b, ms])
+            cls.mem_pending += timer.collect_memory()
         cls.before_last = cls.last is not None
         cls.last = (now, len(batch.reqs)) if decode else None
         cls.rounds += 1
@@ -338,8 +340,8 @@ class _StepTiming:
             cls.dumped = now
             with open(step_record_path(ctl.trace_path), "a") as f:
                 f.write(json.dumps({"t": time.time(), "steps": cls.pending, "gpu": cls.gpu_pending,
-                                    "passes": cls.passes_pending}) + "\n")
-            cls.pending, cls.gpu_pending, cls.passes_pending = [], [], []
+                                    "passes": cls.passes_pending, "memory": cls.mem_pending}) + "\n")
+            cls.pending, cls.gpu_pending, cls.passes_pending, cls.mem_pending = [], [], [], []
         if not refit:
             return
         fit = cls.clock.fit()

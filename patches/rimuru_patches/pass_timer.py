@@ -13,6 +13,16 @@ passes (extend, and mixed ones that carry the running decodes:
 ``mixed_decodes.py``) are timed too, with their kind: decode steps alone no
 longer count the tokens a server makes when prefill passes advance the decodes.
 
+GPU memory beside the time (``memory``): the peak the caching allocator handed out
+from one pass's start to the next one's (the pass, its sampling and whatever ran
+between; the peak is reset at each start) and what it had reserved then, as
+``[kind, batch, peak allocated MiB, reserved MiB]``. Why: on the H200 an elastic
+Qwen3-30B-A3B server at 32 GB grew from 31.2 to 36.0 GB of process memory while its
+running requests went from ~195 to ~277 (decode passes past the largest graph,
+eager, and prefill passes carrying them), over the card (bench/RESULTS.md, eleventh
+session); nvidia-smi cannot say which passes took it, or whether live tensors or the
+allocator's cache hold it.
+
 Written by the ``experts.forward_pass`` seam (the forward thread), read by
 ``_StepTiming`` (the scheduler's round): deque appends and pops are atomic.
 """
@@ -22,7 +32,23 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-__all__ = ["PassTimer", "current", "timer_for"]
+__all__ = ["CudaMemory", "PassTimer", "current", "timer_for"]
+
+MIB = 1 << 20
+
+
+class CudaMemory:
+    """The caching allocator's peak since the last call, and what it holds reserved
+    (bytes); the peak is reset for the next span. Device-wide counters: SGLang reads
+    ``max_memory_allocated`` only while it loads weights, before any pass."""
+
+    def __init__(self, torch_cuda) -> None:
+        self._cuda = torch_cuda
+
+    def span(self) -> tuple[int, int]:
+        peak, reserved = self._cuda.max_memory_allocated(), self._cuda.memory_reserved()
+        self._cuda.reset_peak_memory_stats()
+        return peak, reserved
 
 
 class PassTimer:
@@ -35,12 +61,15 @@ class PassTimer:
     one reads.
     """
 
-    def __init__(self, new_event: Callable[[], object], max_pending: int = 512) -> None:
+    def __init__(self, new_event: Callable[[], object], max_pending: int = 512, memory=None) -> None:
         self._new_event = new_event
         self._free: list = []
         self._pending: deque = deque()  # (batch, start event, end event), oldest first
         self.max_pending = max_pending
         self.dropped = 0
+        self._memory = memory  # a CudaMemory (or a stand-in with ``span()``), or None
+        self._last: tuple[str, int] | None = None  # (kind, batch) of the pass whose span is open
+        self._mem_rows: deque = deque(maxlen=max_pending)  # [kind, batch, peak MiB, reserved MiB]
 
     def _event(self):
         try:
@@ -51,6 +80,11 @@ class PassTimer:
     def begin(self, batch: int, kind: str = "decode") -> tuple:
         """Before a pass of ``batch`` requests is enqueued (``kind``: decode, extend or
         mixed): its start event, recorded on the current stream."""
+        if self._memory is not None:
+            peak, reserved = self._memory.span()  # closes the previous pass's span
+            if self._last is not None:
+                self._mem_rows.append([*self._last, round(peak / MIB), round(reserved / MIB)])
+            self._last = (kind, batch)
         start = self._event()
         start.record()
         return batch, kind, start
@@ -78,6 +112,13 @@ class PassTimer:
             self._free += [start, end]
         return out
 
+    def collect_memory(self) -> list[list]:
+        """``[kind, batch, peak allocated MiB, reserved MiB]`` of the passes whose span
+        closed since the last call (a span closes when the next pass begins), in order."""
+        out = list(self._mem_rows)
+        self._mem_rows.clear()
+        return out
+
 
 #: the process's timer: made by the first pass of an elastic runtime writing a trace on CUDA
 _TIMER: PassTimer | None = None
@@ -93,7 +134,7 @@ def timer_for(runtime) -> PassTimer | None:
         if elastic is not None and getattr(elastic, "trace_path", None) and runtime.device.type == "cuda":
             import torch
 
-            _TIMER = PassTimer(lambda: torch.cuda.Event(enable_timing=True))
+            _TIMER = PassTimer(lambda: torch.cuda.Event(enable_timing=True), memory=CudaMemory(torch.cuda))
     return _TIMER
 
 

@@ -257,6 +257,26 @@ def test_a_stopped_run_counts_its_tokens_from_the_pass_record(tmp_path):
     assert run_one.pass_tokens(tmp_path / "missing.steps.jsonl", t_from=0.0) is None
 
 
+def test_pass_memory_sums_the_allocator_rows_by_pass_kind(tmp_path):
+    """run_one's pass_memory: per kind the largest batch and the highest peak with its
+    batch; reserved after the last pass and at most; None without rows or a record."""
+    run_one = _serving_module("run_one")
+    path = tmp_path / "e_trace.steps.jsonl"
+    path.write_text(json.dumps({"t": 5.0, "steps": [], "gpu": [[1, 40.0]]}) + "\n"  # a record from before "memory"
+                    + json.dumps({"t": 30.0, "steps": [], "memory": [["decode", 160, 900, 31000],
+                                                                     ["mixed", 200, 2500, 33000],
+                                                                     ["decode", 240, 1400, 34000]]}) + "\n"
+                    + json.dumps({"t": 50.0, "steps": [], "memory": [["mixed", 180, 2600, 36000],
+                                                                     ["decode", 120, 700, 35500]]}) + "\n")
+    assert run_one.pass_memory(path) == {
+        "by_kind": {"decode": {"passes": 3, "max_batch": 240, "peak_mib": 1400, "peak_at_batch": 240},
+                    "mixed": {"passes": 2, "max_batch": 200, "peak_mib": 2600, "peak_at_batch": 180}},
+        "reserved_mib_last": 35500, "reserved_mib_max": 36000, "peak_mib_max": 2600}
+    path.write_text(json.dumps({"t": 5.0, "steps": [], "gpu": [[1, 40.0]]}) + "\n")
+    assert run_one.pass_memory(path) is None
+    assert run_one.pass_memory(tmp_path / "missing.steps.jsonl") is None
+
+
 def test_phased_traffic_on_cpu(tmp_path, model_dir):
     """run_one.py --phases: one server, one bench_serving run per phase from disjoint slices
     of the dataset, each phase's figures and the aggregate over every request; report.py's
