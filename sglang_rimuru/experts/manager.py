@@ -359,6 +359,22 @@ class ExpertManager:
 
     # ================================================================ compute
 
+    def sglang_weights(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(w13 [E, 2I, H], w2 [E, H, I])``: contiguous views of the pool holding layer
+        ``layer_id`` as SGLang's own ``w13_weight`` / ``w2_weight``, when every expert of
+        the layer is resident in SGLang's layout (``ExpertResidency.sglang_layout_base``)
+        and a page is exactly one matrix (no padding between them); else None. Only
+        for a residency that never changes (static mode): the views go stale when an
+        expert moves."""
+        base = self.residency.sglang_layout_base(layer_id)
+        sh = self.shape
+        if base is None or self.page_elems != sh.matrix_elems:
+            return None
+        e, pe = sh.num_experts, self.page_elems
+        w13 = self.pool_flat[base * pe:(base + 2 * e) * pe].view(e, 2 * sh.inter, sh.hidden)
+        w2 = self.pool_flat[(base + 2 * e) * pe:(base + 3 * e) * pe].view(e, sh.hidden, sh.inter)
+        return w13, w2
+
     def compute(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """``compute_cuda`` for CUDA tensors, ``compute_cpu`` otherwise."""

@@ -97,8 +97,10 @@ class ExpertResidency:
 
     # ================================================================ placement
 
-    def place_initial(self, page_pool: UnifiedPagePool, resident_per_layer: int) -> None:
-        """Allocate pages for the ``resident_per_layer`` hottest experts of every layer."""
+    def place_initial(self, page_pool: UnifiedPagePool, resident_per_layer: int,
+                      sglang_layout: bool = False) -> None:
+        """Allocate pages for the ``resident_per_layer`` hottest experts of every layer
+        (``sglang_layout``: as ``place_all_but``)."""
         e, limit = self.shape.num_experts, self.offload_limit
         if isinstance(resident_per_layer, bool) or not isinstance(resident_per_layer, int):
             raise ValueError(f"--rimuru-resident-experts must be an int, got {resident_per_layer!r}")
@@ -112,9 +114,11 @@ class ExpertResidency:
                 f"--rimuru-expert-offload-limit={limit}; keep at least {e - limit} resident "
                 f"or raise the limit")
         self.place_all_but(page_pool, [(l, x) for l in self.shape.layer_ids
-                                       for x in self.ranking.order(l)[resident_per_layer:]])
+                                       for x in self.ranking.order(l)[resident_per_layer:]],
+                           sglang_layout=sglang_layout)
 
-    def place_all_but(self, page_pool: UnifiedPagePool, offloaded: Collection[tuple[int, int]]) -> None:
+    def place_all_but(self, page_pool: UnifiedPagePool, offloaded: Collection[tuple[int, int]],
+                      sglang_layout: bool = False) -> None:
         """Allocate pages from ``page_pool`` for every expert except ``offloaded``
         (``(layer, expert)`` pairs), owned by ``expert_owners``.
 
@@ -122,6 +126,13 @@ class ExpertResidency:
         pages in one all-or-nothing allocation. No layer may leave out more than
         ``offload_limit``. The whole need is checked against the pool first, so
         on ``NotEnoughPagesError`` nothing is allocated.
+
+        ``sglang_layout``: a layer that keeps every expert takes its 3E pages in one
+        allocation, W1 and W3 of expert e on its pages 2e and 2e + 1 and W2 on page
+        2E + e: from a pool whose free pages run in order that is SGLang's own
+        ``w13_weight`` [E, 2I, H] and ``w2_weight`` [E, H, I], contiguous
+        (``sglang_layout_base``), so SGLang's MoE can read the layer where it lies.
+        For static mode, whose residency never changes.
         """
         if self._placed:
             raise RuntimeError("place_initial already ran")
@@ -145,7 +156,20 @@ class ExpertResidency:
                 f"keeping {need // 3} experts resident over {self.shape.num_layers} MoE layers needs "
                 f"{need} expert pages ({need * page_bytes} B), the pool has "
                 f"{free} free; lower --rimuru-resident-experts or give the pool more memory")
+        e_count = self.shape.num_experts
         for layer in self.shape.layer_ids:
+            if sglang_layout and not per_layer[layer]:
+                owners = ([ExpertKey(layer, e, m) for e in range(e_count) for m in EXPERT_MATRICES[:2]]
+                          + [ExpertKey(layer, e, EXPERT_MATRICES[2]) for e in range(e_count)])
+                ids = page_pool.alloc_expert_pages(3 * e_count, owners)
+                if ids is None:  # cannot happen after the check above
+                    raise NotEnoughPagesError(f"pool ran out placing layer {layer}")
+                for expert in range(e_count):
+                    self._put(layer, expert, (ids[2 * expert], ids[2 * expert + 1], ids[2 * e_count + expert]),
+                              "place")
+                self._version[layer] += 1
+                self._changes += 1
+                continue
             for expert in self.ranking.order(layer):
                 if (layer, expert) in out:
                     continue
@@ -158,6 +182,19 @@ class ExpertResidency:
         self._placed = True
 
     # ================================================================ queries
+
+    def sglang_layout_base(self, layer: int) -> int | None:
+        """Page b when ``layer`` holds every expert in SGLang's layout (``place_all_but``'s
+        ``sglang_layout``): W1, W3 of expert e on pages b + 2e, b + 2e + 1 and W2 on
+        b + 2E + e. Else None (an expert out, or pages elsewhere)."""
+        pages = self._layer(layer)
+        e_count = self.shape.num_experts
+        if len(pages) != e_count:
+            return None
+        b = pages[0][0]
+        if all(pages[e] == (b + 2 * e, b + 2 * e + 1, b + 2 * e_count + e) for e in range(e_count)):
+            return b
+        return None
 
     def pages(self, layer: int, expert: int) -> tuple[int, int, int] | None:
         """``(W1 page, W3 page, W2 page)`` of a resident expert, else ``None``."""

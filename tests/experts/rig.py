@@ -71,7 +71,8 @@ def identity_gates(shape: MoEShape) -> dict[int, torch.Tensor]:
 
 def make_rig(shape: MoEShape | None = None, *, ranking: ExpertRanking | None = None,
              limit: int = 3, resident: int = 5, gates="identity", pages: int = 64,
-             fragment: bool = False, seed: int = 0, page_bytes: int | None = None) -> Rig:
+             fragment: bool = False, seed: int = 0, page_bytes: int | None = None,
+             sglang_layout: bool = False) -> Rig:
     shape = shape or tiny_shape()
     if ranking is None:
         ranking = ranking_of(shape, ORDERS) if shape.layer_ids == (0, 1) and shape.num_experts == 8 \
@@ -83,7 +84,7 @@ def make_rig(shape: MoEShape | None = None, *, ranking: ExpertRanking | None = N
         pool.alloc_kv_pages(1, "req")
     buf = PoolBuffer(geo, "cpu", zero=True)
     residency = ExpertResidency(shape, ranking, limit)
-    residency.place_initial(pool, resident)
+    residency.place_initial(pool, resident, sglang_layout=sglang_layout)
     buffers = LoadBuffers(shape, pool, limit)
     host = HostExpertStore(shape, pin_memory=False)
     g = torch.Generator().manual_seed(seed)

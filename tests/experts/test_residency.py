@@ -214,3 +214,41 @@ def test_place_all_but_checks_the_limit_and_the_pool_before_allocating() -> None
     assert pool.free_expert_page_count() == 40  # nothing allocated
     r.place_all_but(pool, {(0, 7), (1, 7), (0, 6), (1, 6)})
     assert r.num_resident() == 12
+
+
+def test_sglang_layout_places_full_layers_as_sglangs_weights() -> None:
+    """Static mode's placement of a layer that keeps every expert: 3E pages in one
+    allocation, W1/W3 of expert e on 2e and 2e + 1 and W2 on 2E + e from the layer's
+    first page (the dummy-free rig pool starts at page 0)."""
+    rig = make_rig(resident=8, pages=96, sglang_layout=True)
+    r = rig.residency
+    assert r.resident_pages(0) == {e: (2 * e, 2 * e + 1, 16 + e) for e in range(8)}
+    assert r.resident_pages(1) == {e: (24 + 2 * e, 25 + 2 * e, 40 + e) for e in range(8)}
+    assert rig.pool.expert_page_owner(7) == ExpertKey(0, 3, "w3")
+    assert rig.pool.expert_page_owner(16) == ExpertKey(0, 0, "w2")
+    assert rig.pool.expert_page_owner(47) == ExpertKey(1, 7, "w2")
+    assert (r.sglang_layout_base(0), r.sglang_layout_base(1)) == (0, 24)
+    rig.pool.check_invariants()
+    # the manager's views are SGLang's tensors, in the pool's memory
+    for layer in (0, 1):
+        w13, w2 = rig.manager.sglang_weights(layer)
+        assert torch.equal(w13, rig.w13[layer]) and torch.equal(w2, rig.w2[layer])
+        assert w13.is_contiguous() and w2.is_contiguous()
+        assert w13.untyped_storage().data_ptr() == rig.manager.pool_flat.untyped_storage().data_ptr()
+
+
+def test_sglang_layout_only_where_a_layer_keeps_every_expert_in_order() -> None:
+    # a layer with experts out is placed expert by expert, as without the layout
+    part = make_rig(resident=5, sglang_layout=True)
+    assert part.residency.resident_pages(0) == LAYER0 and part.residency.resident_pages(1) == LAYER1
+    assert part.residency.sglang_layout_base(0) is None and part.manager.sglang_weights(0) is None
+    # every expert resident without the layout: three pages an expert, not SGLang's order
+    plain = make_rig(resident=8, pages=96)
+    assert plain.residency.pages(0, 1) == (3, 4, 5)
+    assert plain.residency.sglang_layout_base(0) is None and plain.manager.sglang_weights(1) is None
+    # a fragmented pool: the layer's pages are not one run
+    frag = make_rig(resident=8, pages=160, fragment=True, sglang_layout=True)
+    assert frag.residency.sglang_layout_base(0) is None and frag.manager.sglang_weights(0) is None
+    # pages larger than a matrix (padded): the layout holds, the views cannot
+    padded = make_rig(resident=8, pages=96, sglang_layout=True, page_bytes=2 * tiny_shape().expert_page_bytes)
+    assert padded.residency.sglang_layout_base(0) == 0 and padded.manager.sglang_weights(0) is None

@@ -219,3 +219,38 @@ def test_dummy_weights_serve_alike_in_static_mode(tmp_path, model_dir):
     got, log = run(STATIC, "static")
     assert got == expected
     assert "Traceback" not in log
+
+
+def light_workload(srv) -> dict:
+    return {
+        "single": generate(srv, "The unified page pool", max_new_tokens=16)["output_ids"],
+        "batch16": [o["output_ids"] for o in generate(srv, PROMPTS_16, max_new_tokens=8)],
+        "radix": [generate(srv, SYSTEM + q, max_new_tokens=8)["output_ids"] for q in ("First?", "Second?")],
+    }
+
+
+def test_static_with_every_expert_resident_runs_sglangs_own_moe_on_the_pool(tmp_path, model_dir):
+    """Every expert resident: the layers sit in the pool in SGLang's layout and SGLang's own
+    MoE reads them there (``RimuruRuntime.use_sglang_moe``); ``SGLANG_RIMURU_PAGED_ONLY=1``
+    keeps the paged path. Both equal mode off."""
+    path = str(ensure_model("tiny-qwen3-moe", cache_dir=model_dir))
+    base = ["--model-path", path, "--max-total-tokens", "4096"]
+    every = ["--rimuru-mode", "static", "--rimuru-resident-experts", "8", "--rimuru-expert-offload-limit", "4"]
+    off = start_server(base, tmp_path / "off.log")
+    try:
+        expected = light_workload(off)
+    finally:
+        off.stop()
+    got, logs = {}, {}
+    for name, env in (("sglang", {}), ("paged", {"SGLANG_RIMURU_PAGED_ONLY": "1"})):
+        srv = start_server(base + every, tmp_path / f"{name}.log", env=env)
+        try:
+            got[name] = light_workload(srv)
+            logs[name] = srv.log()
+        finally:
+            srv.stop()
+    assert got["sglang"] == expected and got["paged"] == expected
+    words = "2 of 2 layers keep every expert in SGLang's layout and run SGLang's own MoE on the pool's pages"
+    assert words in logs["sglang"], logs["sglang"][-3000:]
+    assert "SGLang's layout" not in logs["paged"]
+    assert re.search(r"static pool: .* 16 resident experts \(8 of 8 per layer x 2 layers\)", logs["sglang"])

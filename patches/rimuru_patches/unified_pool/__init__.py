@@ -164,8 +164,8 @@ def _forward(orig, ctx):
 def _run_moe_core(orig, ctx):
     def run_moe_core(self, dispatch_output):
         runtime = _runtime()
-        if runtime is None or self.layer_id not in runtime.layer_ids:
-            return orig(self, dispatch_output)
+        if runtime is None or self.layer_id not in runtime.layer_ids or self.layer_id in runtime.sglang_moe_layers:
+            return orig(self, dispatch_output)  # not managed, or static in SGLang's layout (use_sglang_moe)
         return runtime.moe_forward(self, dispatch_output)
 
     return run_moe_core

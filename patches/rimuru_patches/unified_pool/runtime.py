@@ -161,6 +161,8 @@ class RimuruRuntime:
         self.layer_ids = frozenset(shape.layer_ids)
         #: the elastic mode's ``ElasticController`` (None in static mode)
         self.elastic = elastic
+        #: static layers SGLang's own MoE computes, from pool views (``use_sglang_moe``)
+        self.sglang_moe_layers: frozenset[int] = frozenset()
         self._stats_logged = time.monotonic()  # log_stats_every's last line
 
     @property
@@ -276,7 +278,7 @@ class RimuruRuntime:
         plan = dataclasses.replace(plan, load_buffer_slots=plan.start_buffer_slots(
             page_pool.free_expert_page_count(), config.adjuster_evict_low_water))
         load_buffers = LoadBuffers(shape, page_pool, slots=plan.buffer_slots)
-        cls._place_residents(plan, config, shape, page_pool, ranking, residency)
+        cls._place_residents(plan, config, shape, page_pool, ranking, residency, cls._sglang_layout(config))
         gates = {layer_id: gate for layer_id, (_, gate) in layers.items()}
         # The TP worker's own residency and load buffers, built from plain page ids: the
         # worker side shares no mutable object with the scheduler side (adjuster/README.md)
@@ -306,6 +308,8 @@ class RimuruRuntime:
             elastic=elastic,
         )
         _ACTIVE = runtime
+        if cls._sglang_layout(config):
+            kernel += runtime.use_sglang_moe(layers)
         stats = page_pool.stats()
         logger.info(
             "sglang-rimuru %s pool: %.3f GiB in %d expert pages of %d B; %d resident experts "
@@ -340,14 +344,44 @@ class RimuruRuntime:
         return runtime
 
     @staticmethod
+    def _sglang_layout(config: RimuruConfig) -> bool:
+        """Static mode with the exact kernel places layers that keep every expert in
+        SGLang's layout, for SGLang's own MoE (``use_sglang_moe``).
+        ``SGLANG_RIMURU_PAGED_ONLY=1`` keeps the paged kernel everywhere (A/B runs)."""
+        return (config.mode == "static" and config.moe_kernel == "exact"
+                and os.environ.get("SGLANG_RIMURU_PAGED_ONLY", "0") in ("", "0"))
+
+    def use_sglang_moe(self, layers) -> str:
+        """Point SGLang's ``w13_weight`` / ``w2_weight`` of every layer that holds all its
+        experts in SGLang's layout at the pool's pages (``ExpertManager.sglang_weights``)
+        and let SGLang's own MoE compute those layers (the ``experts.moe_core`` seam
+        hands them back to it). Why: with every expert resident the paged kernel took
+        1.054x and 1.042x plain SGLang's decode step at Qwen1.5-MoE batch 8 and 128
+        beside two plain servers within 1 % (bench/RESULTS.md, eleventh session); SGLang's
+        own path on its own layout is its speed and its bits. Static only: the residency
+        never changes, so the views never go stale (a captured graph keeps them).
+        Returns the start line's words for it."""
+        done = []
+        for layer_id, (moe, _) in layers.items():
+            views = self.manager.sglang_weights(layer_id)
+            if views is None:
+                continue
+            moe.w13_weight.data, moe.w2_weight.data = views
+            done.append(layer_id)
+        self.sglang_moe_layers = frozenset(done)
+        return (f"; {len(done)} of {len(layers)} layers keep every expert in SGLang's layout and run "
+                f"SGLang's own MoE on the pool's pages")
+
+    @staticmethod
     def _place_residents(plan: PoolPlan, config: RimuruConfig, shape: MoEShape, page_pool, ranking,
-                         residency) -> None:
+                         residency, sglang_layout: bool = False) -> None:
         """The experts resident at start: a fixed count per layer, or (elastic without
         ``--rimuru-resident-experts``) as many as fit, the rest chosen as the
-        adjuster chooses victims (least probable first, ties spread over layers)."""
+        adjuster chooses victims (least probable first, ties spread over layers).
+        ``sglang_layout``: full layers in SGLang's layout (``ExpertResidency.place_all_but``)."""
         if plan.resident_per_layer is not None:
             try:
-                residency.place_initial(page_pool, plan.resident_per_layer)
+                residency.place_initial(page_pool, plan.resident_per_layer, sglang_layout=sglang_layout)
             except NotEnoughPagesError as exc:
                 raise PlanError(str(exc)) from None
             return
