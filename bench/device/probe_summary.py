@@ -22,7 +22,7 @@ import json
 import os
 
 #: every server real_shape_check.sh starts, in its order
-NAMES = ("off", "off2", "static_all", "static_all_fast", "static", "static_fast", "elastic")
+NAMES = ("off", "off2", "static_all", "static_all_paged", "static_all_fast", "static", "static_fast", "elastic")
 #: (numerator, denominator, label)
 PAIRS = (
     ("static_all_fast", "static_all", "fast/exact, every expert resident"),
@@ -30,6 +30,8 @@ PAIRS = (
     ("off2", "off", "off2/off: a second plain SGLang server, the spread between instances"),
     ("static_all", "off", "static_all/off"),
     ("static_all", "off2", "static_all/off2"),
+    ("static_all_paged", "off", "static_all_paged/off (the paged kernel on full layers, SGLANG_RIMURU_PAGED_ONLY=1)"),
+    ("static_all", "static_all_paged", "SGLang's own MoE on the pool / the paged kernel, every expert resident"),
     ("static_all_fast", "off", "static_all_fast/off"),
     ("static", "off", "static/off"),
     ("static_fast", "off", "static_fast/off"),

@@ -11,6 +11,8 @@
 #   ELASTIC_LIMIT (20) for other shapes; EXTRA_FLAGS="--tp-size 2" for TP=2 (issue 14).
 #   off2: mode off again (the spread between two instances of one server, beside X/off ratios);
 #   REPEATS=N measures each decode batch N times in rounds (serve_probe.py --repeats).
+#   static_all_paged: static_all with SGLANG_RIMURU_PAGED_ONLY=1 (the paged kernel on layers
+#   static mode otherwise hands to SGLang's own MoE in its layout).
 #   static_fast / static_all_fast: static / static_all with --rimuru-moe-kernel fast
 #   (the paged kernel's own configs, fused SiLU*up and top-k sum instead of SGLang's).
 #   A stage is skipped (and said so) when fewer than STAGE_S (170) seconds remain of
@@ -71,6 +73,8 @@ for stage in $STAGES; do
     sweep) timeout ${SWEEP_S:-150} python3 bench/kernel/zero_copy_sweep.py --out "$OUT/zero_copy_sweep.json" \
         --budget-s $(( ${SWEEP_S:-150} - 40 )) 2>&1 | grep -av -i warn | tail -45 ;;
     static_all) run static_all 30003 --rimuru-mode static --rimuru-expert-offload-limit 0 ;;
+    static_all_paged) SGLANG_RIMURU_PAGED_ONLY=1 run static_all_paged 30007 --rimuru-mode static \
+        --rimuru-expert-offload-limit 0 ;;  # full layers on the paged kernel (before 70eb775's default)
     static_all_fast) run static_all_fast 30005 --rimuru-mode static --rimuru-expert-offload-limit 0 \
         --rimuru-moe-kernel fast ;;
     static) BATCHES=${STATIC_BATCHES:-${BATCHES:-1,32}} run static 30001 --rimuru-mode static \
