@@ -11,6 +11,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/models
 RATE=${RATE:-10}; NUM=${NUM:-500}; BUDGET=${BUDGET:-300}; SEED=${SEED:-1}  # the light-load anchor: RATE=1 NUM=60 SEED=2
 SKEW=${SKEW:-0}  # > 0: skewed dummy routers (bench/serving/skew); the run names get "-skew"
 PHASES=${PHASES:-}  # RATE:NUM,... : phased traffic (bench/serving/phases.py; overrides RATE and NUM; names get "_ph")
+CARD_CAP=${CARD_CAP:-}  # 1: torch's allocator held to the card in every server (run_one.py --card-cap; names get "_cap")
 # A rate other than the anchors' 10 req/s tags the name NAME_rRATE (report.py's rate plots;
 # the device tool returns no file whose name holds '@').
 # RANKING=FILE: pool-mode runs rank experts by it (--rimuru-expert-ranking); the run
@@ -24,13 +25,14 @@ one() {  # one NAME CARD_GB MODEL -- FLAGS...
     [ "$SKEW" != 0 ] && name="$name-skew"
     [ -z "$PHASES" ] && [ "$RATE" != 10 ] && name="${name}_r$RATE"
     [ -n "$PHASES" ] && name="${name}_ph"  # phased traffic: one name per system (report.py's phase table)
+    [ -n "$CARD_CAP" ] && name="${name}_cap"  # torch's allocator held to the card (run_one.py --card-cap)
     case " $* " in *" --rimuru-mode "*) [ -n "$RANKING" ] && set -- "$@" --rimuru-expert-ranking "$RANKING" ;; esac
     # START_S: the server's start, before its BUDGET of traffic (q3offload runs: 342 s at 7f20a2d,
     # weights copied to pinned host memory 172 s, graph capture 112 s)
     local start=${START_S:-200}; case $name in q3offload*) start=${START_S:-420} ;; esac
     timeout $(( BUDGET + start )) python3 bench/serving/run_one.py --name "$name" --model /tmp/models/$model \
         --card-gb "$card" --rate "$RATE" --num-prompts "$NUM" --seed "$SEED" --out "$OUT" --budget-s "$BUDGET" --skew "$SKEW" \
-        ${PHASES:+--phases "$PHASES"} \
+        ${PHASES:+--phases "$PHASES"} ${CARD_CAP:+--card-cap} \
         --dataset .devdata/sharegpt_1000_seed1_ctx8192.json.gz -- "$@" 2>&1 | grep -av "Warning\|warn(" | tail -3
 }
 # staticCCrN: static on a CC GB card with N of 60 experts resident per layer (the sweep).

@@ -262,6 +262,9 @@ def main() -> None:
                     help="phased traffic (bench/serving/phases.py): one bench_serving run per phase against "
                          "the same server, each from its own slice of the dataset; overrides --rate and "
                          "--num-prompts; --budget-s covers all phases")
+    ap.add_argument("--card-cap", action="store_true",
+                    help="hold torch's allocator in every server process to the card (SGLANG_RIMURU_CARD_MIB, "
+                         "patches/rimuru_patches/card_cap.py): cache given back at the card's size, as on the card")
     ap.add_argument("server_args", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     server_args = [a for a in args.server_args if a != "--"]
@@ -293,11 +296,15 @@ def main() -> None:
     sampler = GpuSampler()
     sampler.start()
     t_launch = time.time()
-    env = None
+    env = {}
     if args.skew > 0:
         path = os.environ.get("PYTHONPATH", "")
         env = {"PYTHONPATH": f"{Path(__file__).parent / 'skew'}:{path}", "RIMURU_BENCH_ROUTER_SKEW": str(args.skew),
                "RIMURU_BENCH_DEVICE_SITE": "1" if "bench/device/site" in path else "0"}
+    if args.card_cap:
+        if args.card_gb <= 0:
+            raise SystemExit("--card-cap needs --card-gb above 0")
+        env["SGLANG_RIMURU_CARD_MIB"] = str(int(args.card_gb * 1024))
     srv = start_local_server([*flags, *server_args], log_path, timeout=600, env=env)
     sampler.watch(srv.proc.pid)  # from here on (the weights are loaded: what stays resident)
     ready_s = time.time() - t_launch
@@ -336,7 +343,8 @@ def main() -> None:
     srv.stop()
     result = aggregate(results) if args.phases else results[0]
     res = {
-        "name": args.name, "server_args": server_args, "card_gib": args.card_gb, "router_skew": args.skew,
+        "name": args.name, "server_args": server_args, "card_gib": args.card_gb, "card_cap": args.card_cap,
+        "router_skew": args.skew,
         # a phased run has no one rate (report.py leaves it out of rate plots and traffic floors)
         "fraction": card_fraction(args.card_gb), "rate": None if args.phases else args.rate,
         "num_prompts": num_prompts, "seed": args.seed,
