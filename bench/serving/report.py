@@ -36,7 +36,12 @@ def load(paths: list[str]) -> list[dict]:
 def row(r: dict) -> str:
     b, lg, tr = r["bench"], r["log"], r.get("trace") or {}
     done = f"{b.get('completed', 0)}/{r['num_prompts']}" + (" (stopped)" if r.get("stopped_at_budget") else "")
-    mem = f"{r['peak_process_mib'] / 1024:.1f} / {r['card_gib']:.0f}"
+    # the card emulation's check (the process's peak against the card), said in the row;
+    # "capped": torch's allocator was held to the card (run_one.py --card-cap)
+    peak = max(r["peak_process_mib"], r.get("peak_gpu_mib") or 0)
+    over = r["card_gib"] > 0 and peak > r["card_gib"] * 1024
+    mem = (f"{r['peak_process_mib'] / 1024:.1f} / {r['card_gib']:.0f}" + (" **over the card**" if over else "")
+           + (" (capped)" if r.get("card_cap") else ""))
     host = f"{r['peak_host_rss_mib'] / 1024:.1f}" if "peak_host_rss_mib" in r else "-"
     moves = f"{tr.get('evicted', 0)} / {tr.get('restored', 0)}" if tr else "-"
     # a run stopped at its budget has no bench_serving summary: the elastic step record's

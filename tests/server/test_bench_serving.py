@@ -109,6 +109,10 @@ def test_report_shows_a_stopped_run_by_its_decode_log():
     t = table([done, stopped])
     assert "| static24 | 24 GB | 0/500 (stopped) | 0.0 | ~88 (decode log) |" in t
     assert "| off24 | 24 GB | 500/500 | 90.0 | 1000 |" in t
+    # the card check in the row: a peak past the card (the process's, or the whole GPU's) says so
+    over = {**stopped, "name": "elastic24", "peak_gpu_mib": 24600, "card_cap": True}
+    assert "| 26 | 23.0 / 24 **over the card** (capped) | 35.6 |" in table([over])
+    assert "| 26 | 23.0 / 24 | 35.6 |" in table([stopped])
     r = ratios([done, stopped], "off24")
     assert "| static24 | - | - | 1.30x | - |" in r  # the completed run's log gave no rate
     # against a stopped baseline, both sides by their decode logs
