@@ -105,6 +105,19 @@ def ratios(results: list[dict], baseline: str) -> str:
     return "\n".join(lines)
 
 
+_FLOORS: dict[tuple, object] = {}
+
+
+def floor_of(r: dict, step_ms: float, lens: Path):
+    """``makespan.floor_of_run``, once per traffic, step and lens file (the floor table and
+    the rate plot both ask; each floor replays the run's whole traffic)."""
+    key = (r.get("rate"), r.get("num_prompts"), r.get("seed"), r.get("bench", {}).get("total_output_tokens"),
+           step_ms, str(lens))  # all floor_of_run reads of the run
+    if key not in _FLOORS:
+        _FLOORS[key] = floor_of_run(r, step_ms, lens)
+    return _FLOORS[key]
+
+
 def floors(results: list[dict], step_ms: float, lens: Path) -> str:
     """Each run's duration beside the traffic's floor (makespan.py): the share of the
     throughput any server could reach on that traffic that the run reached."""
@@ -114,7 +127,7 @@ def floors(results: list[dict], step_ms: float, lens: Path) -> str:
         if "output_throughput" not in r["bench"]:  # stopped at its budget: no duration to set beside it
             lines.append(f"| {r['name']} | - | - (no bench_serving summary) | - | - | - | - |")
             continue
-        f = floor_of_run(r, step_ms, lens)
+        f = floor_of(r, step_ms, lens)
         if f is None:
             why = "phased traffic" if r.get("phases") else "not the lens file's sample"
             lines.append(f"| {r['name']} | {r['bench'].get('duration', 0):.1f} | - ({why}) | - | - | - | - |")
@@ -200,7 +213,7 @@ def plots(results: list[dict], out: Path, step_ms: float | None = None, lens: Pa
         if step_ms:  # what any server could reach on each rate's traffic (makespan.py)
             ceil = {}
             for r in results:
-                f = floor_of_run(r, step_ms, lens)
+                f = floor_of(r, step_ms, lens)
                 if f is not None:
                     ceil[r["rate"]] = f.ceiling_tok_s
             if ceil:
