@@ -26,6 +26,15 @@ ROOT = Path(__file__).resolve().parents[2]
 POOL_GB = 153 * 45_056 / (1 << 30) + 1e-9
 
 
+def _serving_module(name: str):
+    """A script of bench/serving (not a package), imported by its module name."""
+    sys.path.insert(0, str(ROOT / "bench" / "serving"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
 def sharegpt_file(path: Path, n: int) -> Path:
     """``n`` two-turn conversations in ShareGPT's format (bench_serving keeps turn 1 and 2)."""
     convs = [{"id": f"c{i}", "conversations": [
@@ -68,11 +77,7 @@ def test_log_stats_weighs_decode_throughput_by_time():
     """A run stopped at its budget keeps SGLang's own decode rate: per log line, the
     tokens of its running requests over the rate (a slow interval counts for longer),
     without the first line, which SGLang times from the scheduler's start."""
-    sys.path.insert(0, str(ROOT / "bench" / "serving"))
-    try:
-        from run_one import log_stats
-    finally:
-        sys.path.pop(0)
+    log_stats = _serving_module("run_one").log_stats
     log = "\n".join([
         "[t] server_args=ServerArgs(decode_log_interval=40, ...)",
         "[t] Decode batch, #running-req: 1, #token: 0, token usage: 0.0, cuda graph: True, "
@@ -95,11 +100,8 @@ def test_report_shows_a_stopped_run_by_its_decode_log():
     """A run stopped at its budget has no bench_serving summary: its row gives SGLang's
     decode-log rate, marked so, and its throughput ratio sets decode-log rates side by side
     ('-' without them; never 0.00x, as if it served nothing)."""
-    sys.path.insert(0, str(ROOT / "bench" / "serving"))
-    try:
-        from report import ratios, table
-    finally:
-        sys.path.pop(0)
+    report = _serving_module("report")
+    ratios, table = report.ratios, report.table
     common = {"card_gib": 24.0, "num_prompts": 500, "peak_process_mib": 23516, "peak_host_rss_mib": 36436}
     done = {**common, "name": "off24", "stopped_at_budget": False, "log": {"peak_running": 20},
             "bench": {"completed": 500, "duration": 90.0, "output_throughput": 1000.0, "median_ttft_ms": 5000.0,
@@ -120,14 +122,6 @@ def test_report_shows_a_stopped_run_by_its_decode_log():
     r = ratios([done, stopped], "static24")
     assert "| off24 | ~10.00x (decode log) | - | 0.77x | - |" in r
     assert "| static24 | ~1.00x (decode log) | - | 1.00x | - |" in r
-
-
-def _serving_module(name: str):
-    sys.path.insert(0, str(ROOT / "bench" / "serving"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.pop(0)
 
 
 def test_the_floor_replays_bench_servings_own_arrivals(monkeypatch):
