@@ -156,30 +156,31 @@ class ExpertResidency:
                 f"keeping {need // 3} experts resident over {self.shape.num_layers} MoE layers needs "
                 f"{need} expert pages ({need * page_bytes} B), the pool has "
                 f"{free} free; lower --rimuru-resident-experts or give the pool more memory")
-        e_count = self.shape.num_experts
         for layer in self.shape.layer_ids:
             if sglang_layout and not per_layer[layer]:
-                owners = ([ExpertKey(layer, e, m) for e in range(e_count) for m in EXPERT_MATRICES[:2]]
-                          + [ExpertKey(layer, e, EXPERT_MATRICES[2]) for e in range(e_count)])
-                ids = page_pool.alloc_expert_pages(3 * e_count, owners)
-                if ids is None:  # cannot happen after the check above
-                    raise NotEnoughPagesError(f"pool ran out placing layer {layer}")
-                for expert in range(e_count):
-                    self._put(layer, expert, (ids[2 * expert], ids[2 * expert + 1], ids[2 * e_count + expert]),
-                              "place")
-                self._version[layer] += 1
-                self._changes += 1
-                continue
-            for expert in self.ranking.order(layer):
-                if (layer, expert) in out:
-                    continue
-                pages = page_pool.alloc_expert_pages(3, expert_owners(layer, expert))
-                if pages is None:  # cannot happen after the check above
-                    raise NotEnoughPagesError(f"pool ran out placing layer {layer} expert {expert}")
-                self._put(layer, expert, pages, "place")
+                self._place_sglang_layout(page_pool, layer)
+            else:
+                for expert in self.ranking.order(layer):
+                    if (layer, expert) in out:
+                        continue
+                    pages = page_pool.alloc_expert_pages(3, expert_owners(layer, expert))
+                    if pages is None:  # cannot happen after the check above
+                        raise NotEnoughPagesError(f"pool ran out placing layer {layer} expert {expert}")
+                    self._put(layer, expert, pages, "place")
             self._version[layer] += 1
             self._changes += 1
         self._placed = True
+
+    def _place_sglang_layout(self, page_pool: UnifiedPagePool, layer: int) -> None:
+        """Every expert of ``layer`` in one allocation of 3E pages: W1, W3 of expert e on
+        its pages 2e, 2e + 1, W2 on 2E + e (``place_all_but``'s ``sglang_layout``)."""
+        e_count = self.shape.num_experts
+        owners = [expert_owners(layer, e) for e in range(e_count)]  # (W1, W3, W2) keys each
+        ids = page_pool.alloc_expert_pages(3 * e_count, [k for o in owners for k in o[:2]] + [o[2] for o in owners])
+        if ids is None:  # cannot happen after place_all_but's check
+            raise NotEnoughPagesError(f"pool ran out placing layer {layer}")
+        for e in range(e_count):
+            self._put(layer, e, (ids[2 * e], ids[2 * e + 1], ids[2 * e_count + e]), "place")
 
     # ================================================================ queries
 
