@@ -160,14 +160,22 @@ def log_stats(log: str) -> dict:
     }
 
 
+def step_record(path: Path) -> list[dict] | None:
+    """The step record's lines (``step_record_path`` of an elastic trace: one JSON object
+    per dump), or None when the run wrote none."""
+    if not path.exists():
+        return None
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
 def step_summary(path: Path, width: int = 8) -> list[list] | None:
     """The decode steps the cost-aware adjuster timed (``step_record_path`` of its trace)
     by batch, in buckets of ``width`` requests: [first batch, last
     batch, steps, median ms, mean batch, mean expected offloaded reads, median GPU ms
     of the decode passes of that batch (the record's ``"gpu"`` rows; None without)]."""
-    if not path.exists():
+    lines = step_record(path)
+    if lines is None:
         return None
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     buckets: dict[int, list] = {}
     for b, ms, reads in (s for line in lines for s in line["steps"]):
         buckets.setdefault((b - 1) // width, []).append((b, ms, reads))
@@ -187,10 +195,7 @@ def pass_tokens(path: Path, t_from: float) -> dict | None:
     prompt chunk was not its last): a run stopped at its budget has no bench_serving
     figures, and with prefill passes carrying the decodes SGLang's decode log misses them.
     ``seconds`` runs from ``t_from`` to the last record written."""
-    if not path.exists():
-        return None
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    lines = [x for x in lines if x["t"] > t_from]
+    lines = [x for x in step_record(path) or [] if x["t"] > t_from]
     if not lines:
         return None
     decode = [b for x in lines for b, _ in x.get("gpu", [])]
@@ -209,9 +214,7 @@ def pass_memory(path: Path) -> dict | None:
     MiB after the last pass and at most. Reserved past the peaks is the allocator's cache
     (blocks of earlier sizes kept); peaks growing with the batch are live tensors. None
     without rows (no trace, not CUDA, or a record from before ``"memory"``)."""
-    if not path.exists():
-        return None
-    rows = [r for x in path.read_text().splitlines() if x.strip() for r in json.loads(x).get("memory", [])]
+    rows = [r for x in step_record(path) or [] for r in x.get("memory", [])]
     if not rows:
         return None
     kinds = {}
@@ -342,6 +345,7 @@ def main() -> None:
     log = log_path.read_text(errors="replace")
     srv.stop()
     result = aggregate(results) if args.phases else results[0]
+    steps_path = Path(step_record_path(str(trace)))  # the elastic step record beside the trace
     res = {
         "name": args.name, "server_args": server_args, "card_gib": args.card_gb, "card_cap": args.card_cap,
         "router_skew": args.skew,
@@ -357,9 +361,9 @@ def main() -> None:
         "peak_host_rss_mib": sampler.peak_host_rss_mib,
         "card_mib": args.card_gb * 1024, "gpu_mem_series": sampler.samples[::4],
         "trace": trace_summary(trace),
-        "steps": step_summary(Path(step_record_path(str(trace)))),
-        "pass_tokens": pass_tokens(Path(step_record_path(str(trace))), t0),
-        "pass_memory": pass_memory(Path(step_record_path(str(trace)))),
+        "steps": step_summary(steps_path),
+        "pass_tokens": pass_tokens(steps_path, t0),
+        "pass_memory": pass_memory(steps_path),
         "tracebacks": log.count("Traceback"),
         "bench_log_tail": bench_log[-1500:],
     }
