@@ -109,7 +109,7 @@ def _capped(orig, ctx):
             _apply(torch.cuda, device, cap)
             logger.info("sglang-rimuru card emulation (%s): torch's allocator capped at %.1f MiB of the %d MiB "
                         "card (%.1f MiB in use outside it, %d MiB margin)", ENV_VAR, cap / MIB, card,
-                        (total - free - torch.cuda.memory_reserved(device)) / MIB, MARGIN_MIB)
+                        card - cap / MIB - MARGIN_MIB, MARGIN_MIB)
         return result
 
     return init_torch_distributed

@@ -279,7 +279,8 @@ class RimuruRuntime:
         plan = dataclasses.replace(plan, load_buffer_slots=plan.start_buffer_slots(
             page_pool.free_expert_page_count(), config.adjuster_evict_low_water))
         load_buffers = LoadBuffers(shape, page_pool, slots=plan.buffer_slots)
-        cls._place_residents(plan, config, shape, page_pool, ranking, residency, cls._sglang_layout(config))
+        sglang_layout = cls._sglang_layout(config)
+        cls._place_residents(plan, config, shape, page_pool, ranking, residency, sglang_layout)
         gates = {layer_id: gate for layer_id, (_, gate) in layers.items()}
         # The TP worker's own residency and load buffers, built from plain page ids: the
         # worker side shares no mutable object with the scheduler side (adjuster/README.md)
@@ -309,7 +310,7 @@ class RimuruRuntime:
             elastic=elastic,
         )
         _ACTIVE = runtime
-        if cls._sglang_layout(config):
+        if sglang_layout:
             kernel += runtime.use_sglang_moe(layers)
         stats = page_pool.stats()
         logger.info(
