@@ -1,8 +1,9 @@
 """``rimuru_patches.card_cap``: an emulated card's limit on torch's allocator (bench only).
 
 The arithmetic, the environment variable's errors, the seam's wrapper over a stand-in
-``torch.cuda`` (the cap set after SGLang's device set-up, lowered by the host store's
-page-locking), and when the seam applies.
+``torch.cuda`` (the cap set after SGLang's device set-up, then following what comes to lie
+outside torch: the host store's page-locking at once, graphs and kernels before forward
+passes, never during a graph capture), and when the seams apply.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class FakeCuda:
     def __init__(self, total: int, free: int, reserved: int) -> None:
         self.total, self.free, self.reserved = total, free, reserved
         self.fractions: list[tuple[float, int]] = []
+        self.capturing = False
 
     def current_device(self) -> int:
         return 0
@@ -66,27 +68,61 @@ class FakeCuda:
         self.fractions.append((fraction, device))
 
 
-def test_the_seam_caps_after_sglangs_device_setup_and_pinning_lowers_it(monkeypatch):
-    fake = FakeCuda(total=128 * GIB, free=127 * GIB, reserved=0)
+def _fake_cuda(monkeypatch, fake: FakeCuda) -> None:
     for name in ("current_device", "mem_get_info", "memory_reserved", "get_device_properties",
                  "set_per_process_memory_fraction"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: fake.capturing)
     monkeypatch.setattr(card_cap, "_CAP", None)
+
+
+def test_the_seam_caps_after_sglangs_device_setup_and_the_cap_follows_what_lies_outside_torch(monkeypatch):
+    fake = FakeCuda(total=128 * GIB, free=127 * GIB, reserved=0)
+    _fake_cuda(monkeypatch, fake)
     monkeypatch.setenv(card_cap.ENV_VAR, str(32 * 1024))
     calls = []
     wrapped = card_cap._capped(lambda self: calls.append("sglang") or "result", None)
     assert wrapped(SimpleNamespace(device="cuda")) == "result" and calls == ["sglang"]
-    cap = 32 * GIB - GIB - card_cap.MARGIN_MIB * MIB
+    margin = card_cap.MARGIN_MIB * MIB
+    cap = 32 * GIB - GIB - margin
     assert fake.fractions == [(cap / (128 * GIB), 0)]
-    card_cap.lower_by(108 * MIB, cuda=fake)
+    t0 = card_cap._CAP.checked
+    # torch reserves 20 GiB: free falls as much, nothing new outside torch, the cap stays
+    fake.free, fake.reserved = 107 * GIB, 20 * GIB
+    assert card_cap.follow(now=t0 + 5) == cap and len(fake.fractions) == 1
+    # the host store's pinning takes 108 MiB outside torch: measured at once, whatever the clock says
+    fake.free -= 108 * MIB
+    assert card_cap.follow(now=t0 + 5, force=True) == cap - 108 * MIB
     assert fake.fractions[-1] == ((cap - 108 * MIB) / (128 * GIB), 0)
+    # graphs and kernels take 600 MiB more: not measured again before FOLLOW_S, then followed
+    fake.free -= 600 * MIB
+    assert card_cap.follow(now=t0 + 5 + card_cap.FOLLOW_S / 2) == cap - 108 * MIB
+    assert card_cap.follow(now=t0 + 5 + card_cap.FOLLOW_S) == cap - 708 * MIB
+    assert fake.fractions[-1] == ((cap - 708 * MIB) / (128 * GIB), 0) and len(fake.fractions) == 3
+    # outside torch alone past the card: cap 0, the next allocation fails as on the card
+    fake.free -= 32 * GIB
+    assert card_cap.follow(force=True) < 0 and fake.fractions[-1] == (0.0, 0)
     # plain CPU model runners and an unset card: nothing
     monkeypatch.setattr(card_cap, "_CAP", None)
     wrapped(SimpleNamespace(device="cpu"))
     monkeypatch.delenv(card_cap.ENV_VAR)
     wrapped(SimpleNamespace(device="cuda"))
-    card_cap.lower_by(MIB, cuda=fake)
-    assert len(fake.fractions) == 2
+    assert card_cap.follow(force=True) is None and len(fake.fractions) == 4
+
+
+def test_forward_passes_measure_again_but_never_inside_a_graph_capture(monkeypatch):
+    fake = FakeCuda(total=128 * GIB, free=127 * GIB, reserved=0)
+    _fake_cuda(monkeypatch, fake)
+    monkeypatch.setenv(card_cap.ENV_VAR, str(24 * 1024))
+    card_cap._capped(lambda self: None, None)(SimpleNamespace(device="cuda"))
+    card_cap._CAP.checked -= 2 * card_cap.FOLLOW_S  # the last measurement is old
+    forward = card_cap._following(lambda self, batch: f"ran {batch}", None)
+    fake.free -= 512 * MIB
+    fake.capturing = True
+    assert forward(None, "b1") == "ran b1" and len(fake.fractions) == 1
+    fake.capturing = False
+    assert forward(None, "b2") == "ran b2" and len(fake.fractions) == 2
+    assert card_cap._CAP.cap == 24 * GIB - GIB - 512 * MIB - card_cap.MARGIN_MIB * MIB
 
 
 def test_the_seam_applies_on_cuda_with_a_card_only():
@@ -100,10 +136,10 @@ def test_the_seam_applies_on_cuda_with_a_card_only():
         before = names("cuda")
         os.environ["SGLANG_RIMURU_CARD_MIB"] = "24576"
         print(before, names("cuda"), names("cpu").count("bench.card_cap"))
-        seams.REGISTRY[[s.name for s in seams.REGISTRY].index("bench.card_cap")].resolve()
+        [s.resolve() for s in seams.REGISTRY if s.name.startswith("bench.card_cap")]
         """
     )
     out = warm_run(["-c", code])
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == (
-        "['http.request_validation'] ['bench.card_cap', 'http.request_validation'] 0")
+        "['http.request_validation'] ['bench.card_cap', 'bench.card_cap_follow', 'http.request_validation'] 0")

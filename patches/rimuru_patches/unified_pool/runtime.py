@@ -269,7 +269,7 @@ class RimuruRuntime:
             taken = free - torch.cuda.mem_get_info(device)[0]
             logger.info("sglang-rimuru host store: %.3f GiB page-locked in place after the pool was sized, "
                         "taking %.1f MiB of GPU memory (%s)", host.nbytes / GIB, taken / (1 << 20), pin_kind())
-            card_cap.lower_by(taken)  # an emulated card's cap (bench only): that memory is outside torch
+            card_cap.follow(force=True)  # an emulated card's cap (bench only): that memory is outside torch
         ranking = (
             load_ranking(config.expert_ranking, shape) if config.expert_ranking else ExpertRanking.default(shape)
         )
