@@ -24,7 +24,10 @@ readiness on: the page-locked experts), the card budget, the adjuster trace's su
 request completed. Prints a short table. ``--budget-s`` stops the traffic (and says so)
 if the run would outlast a device call. bench_serving writes its numbers only when
 all its requests are done, so a stopped run keeps the server-side numbers (log,
-memory, trace) and no latency or throughput figures.
+memory, trace) and no latency or throughput figures. A run ended by SIGTERM (the
+``timeout`` of a device call whose server started slowly) writes the same, marked
+``"cut"``. With ``--card-cap`` the JSON's ``card_cap_log`` says what the cap did: at
+start, how far what lay outside torch grew and the cap followed it down.
 
 A CPU dry run of the whole path (tests/server/test_bench_serving.py does one):
 ``--device-flags "--device cpu --disable-cuda-graph" --card-gb 0`` and the KV cap
@@ -39,6 +42,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -160,6 +164,31 @@ def log_stats(log: str) -> dict:
     }
 
 
+def card_cap_log(log: str) -> dict | None:
+    """What the emulated card's cap did (``--card-cap``; patches/rimuru_patches/card_cap.py's
+    log lines): the cap at start and what lay outside torch then, how far what lies outside
+    torch grew and the cap followed it down. None without a cap. The process's peak is at most
+    the lowest cap plus the most outside torch, plus what changed within a second."""
+    start = re.search(r"torch's allocator capped at ([0-9.]+) MiB of the \d+ MiB card \(([0-9.]+) MiB in use "
+                      r"outside it", log)
+    if not start:
+        return None
+    cap, outside = float(start.group(1)), float(start.group(2))
+    follows = [(float(o), float(c)) for o, c in re.findall(
+        r"([0-9.]+) MiB now in use outside torch's allocator; its cap follows to ([0-9.]+) MiB", log)]
+    return {"cap_mib_start": cap, "outside_mib_start": outside,
+            "outside_mib_max": max([outside, *(o for o, _ in follows)]),
+            "cap_mib_min": min([cap, *(c for _, c in follows)]), "follows": len(follows)}
+
+
+class _Cut(Exception):
+    """The run's outer time limit arrived (``timeout`` sends SIGTERM): write what was measured."""
+
+
+def _cut(signum, frame):
+    raise _Cut()
+
+
 def step_record(path: Path) -> list[dict] | None:
     """The step record's lines (``step_record_path`` of an elastic trace: one JSON object
     per dump), or None when the run wrote none."""
@@ -244,6 +273,38 @@ def trace_summary(path: Path) -> dict | None:
     }
 
 
+def run_traffic(args, phases, datasets, port: str, out: Path, t0: float, results: list, bench_logs: list) -> bool:
+    """bench_serving once per phase against the server on ``port``, within ``--budget-s`` of
+    ``t0``; appends each phase's summary to ``results`` and its output to ``bench_logs``.
+    Returns whether the budget stopped the traffic."""
+    stopped = False
+    for i, ((rate, num), data) in enumerate(zip(phases, datasets)):
+        bench_out = out / (f"{args.name}_bench.jsonl" if not args.phases else f"{args.name}_bench_phase{i + 1}.jsonl")
+        bench_out.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1",
+               "--port", port, "--dataset-name", "sharegpt", "--dataset-path", str(data),
+               "--num-prompts", str(num), "--request-rate", str(rate), "--seed", str(args.seed),
+               "--sharegpt-context-len", str(args.context_len), "--tokenizer", args.model,
+               "--output-file", str(bench_out), "--disable-tqdm", *(["--output-details"] if args.phases else [])]
+        left = args.budget_s - (time.time() - t0)
+        try:
+            if left <= 0:
+                raise subprocess.TimeoutExpired(cmd, 0)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+            bench_logs.append(proc.stdout[-3000:] + proc.stderr[-2000:])
+        except subprocess.TimeoutExpired:
+            stopped = True
+            bench_logs.append(f"stopped after {args.budget_s} s")
+        result = json.loads(bench_out.read_text().splitlines()[-1]) if bench_out.exists() else {}
+        # bench_serving writes its result before it exits; one that finished the traffic and
+        # only overran the budget while exiting (or loading its tokenizer) was not stopped
+        stopped = stopped and result.get("completed") != num
+        results.append(result)
+        if stopped:
+            break
+    return stopped
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--name", required=True)
@@ -313,32 +374,19 @@ def main() -> None:
     ready_s = time.time() - t_launch
     port = srv.url.rsplit(":", 1)[1]
     t0 = time.time()
-    stopped = False
     results, bench_logs = [], []
-    for i, ((rate, num), data) in enumerate(zip(phases, datasets)):
-        bench_out = out / (f"{args.name}_bench.jsonl" if not args.phases else f"{args.name}_bench_phase{i + 1}.jsonl")
-        bench_out.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1",
-               "--port", port, "--dataset-name", "sharegpt", "--dataset-path", str(data),
-               "--num-prompts", str(num), "--request-rate", str(rate), "--seed", str(args.seed),
-               "--sharegpt-context-len", str(args.context_len), "--tokenizer", args.model,
-               "--output-file", str(bench_out), "--disable-tqdm", *(["--output-details"] if args.phases else [])]
-        left = args.budget_s - (time.time() - t0)
-        try:
-            if left <= 0:
-                raise subprocess.TimeoutExpired(cmd, 0)
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
-            bench_logs.append(proc.stdout[-3000:] + proc.stderr[-2000:])
-        except subprocess.TimeoutExpired:
-            stopped = True
-            bench_logs.append(f"stopped after {args.budget_s} s")
-        result = json.loads(bench_out.read_text().splitlines()[-1]) if bench_out.exists() else {}
-        # bench_serving writes its result before it exits; one that finished the traffic and
-        # only overran the budget while exiting (or loading its tokenizer) was not stopped
-        stopped = stopped and result.get("completed") != num
-        results.append(result)
-        if stopped:
-            break
+    cut = False
+    # A device call's `timeout` may end the run before its budget (a slow start); the numbers
+    # the server has logged so far are still written, marked "cut"
+    signal.signal(signal.SIGTERM, _cut)
+    try:
+        stopped = run_traffic(args, phases, datasets, port, out, t0, results, bench_logs)
+    except _Cut:
+        stopped = cut = True
+        if len(results) < len(phases):
+            results.append({})  # the phase it was in
+        bench_logs.append(f"cut by SIGTERM after {time.time() - t0:.0f} s of traffic")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     bench_log = "\n".join(bench_logs)
     traffic_s = time.time() - t0
     sampler.stop()
@@ -353,7 +401,7 @@ def main() -> None:
         "fraction": card_fraction(args.card_gb), "rate": None if args.phases else args.rate,
         "num_prompts": num_prompts, "seed": args.seed,
         **({"phases": [phase_summary(rate, num, r) for (rate, num), r in zip(phases, results)]} if args.phases else {}),
-        "ready_s": round(ready_s, 1), "traffic_s": round(traffic_s, 1), "stopped_at_budget": stopped,
+        "ready_s": round(ready_s, 1), "traffic_s": round(traffic_s, 1), "stopped_at_budget": stopped, "cut": cut,
         "all_completed": result.get("completed") == num_prompts,
         "bench": {k: v for k, v in result.items() if not isinstance(v, list)},
         "log": log_stats(log),
@@ -364,6 +412,7 @@ def main() -> None:
         "steps": step_summary(steps_path),
         "pass_tokens": pass_tokens(steps_path, t0),
         "pass_memory": pass_memory(steps_path),
+        "card_cap_log": card_cap_log(log),
         "tracebacks": log.count("Traceback"),
         "bench_log_tail": bench_log[-1500:],
     }
@@ -386,7 +435,11 @@ def main() -> None:
           + (f"; allocator: peak {pm['peak_mib_max']} MiB, reserved up to {pm['reserved_mib_max']} MiB ("
              + ", ".join(f"{k} peak {v['peak_mib']} MiB at batch {v['peak_at_batch']}, largest batch {v['max_batch']}"
                          for k, v in pm["by_kind"].items()) + ")"
-             if (pm := res["pass_memory"]) else ""), flush=True)
+             if (pm := res["pass_memory"]) else "")
+          + (f"; card cap: {cc['cap_mib_start']:.0f} MiB at start, followed to {cc['cap_mib_min']:.0f} "
+             f"(outside torch {cc['outside_mib_start']:.0f} -> up to {cc['outside_mib_max']:.0f} MiB)"
+             if (cc := res["card_cap_log"]) else "")
+          + ("; CUT by SIGTERM (the call's time) before the budget" if cut else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,13 @@ JSON, and the report's tables (plots need matplotlib, which CI may lack).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -273,6 +277,70 @@ def test_pass_memory_sums_the_allocator_rows_by_pass_kind(tmp_path):
     path.write_text(json.dumps({"t": 5.0, "steps": [], "gpu": [[1, 40.0]]}) + "\n")
     assert run_one.pass_memory(path) is None
     assert run_one.pass_memory(tmp_path / "missing.steps.jsonl") is None
+
+
+CAP_LOG = """\
+[2026-12-03 22:55:09] sglang-rimuru card emulation (SGLANG_RIMURU_CARD_MIB): torch's allocator capped at 31892.4 MiB of the 32768 MiB card (619.6 MiB in use outside it, 256 MiB margin); the cap follows what lies outside torch, measured again at most every 1 s
+[2026-12-03 22:55:38] sglang-rimuru card emulation: 735.6 MiB now in use outside torch's allocator; its cap follows to 31776.4 MiB
+[2026-12-03 22:56:48] sglang-rimuru card emulation: 1191.6 MiB now in use outside torch's allocator; its cap follows to 31320.4 MiB
+[2026-12-03 22:57:36] Decode batch, #running-req: 11, #token: 6629, token usage: 0.96, cuda graph: True, gen throughput (token/s): 1726.61, #queue-req: 51
+"""
+
+
+def test_card_cap_log_reads_the_cap_and_what_lay_outside_torch():
+    """run_one's card_cap_log (the lines of a smoke run on the H200, f93d751): the start's cap,
+    the lowest it followed to, and the most that lay outside torch; None without a cap."""
+    run_one = _serving_module("run_one")
+    assert run_one.card_cap_log(CAP_LOG) == {"cap_mib_start": 31892.4, "outside_mib_start": 619.6,
+                                             "outside_mib_max": 1191.6, "cap_mib_min": 31320.4, "follows": 2}
+    assert run_one.card_cap_log(CAP_LOG.splitlines()[0]) == {
+        "cap_mib_start": 31892.4, "outside_mib_start": 619.6, "outside_mib_max": 619.6, "cap_mib_min": 31892.4,
+        "follows": 0}
+    assert run_one.card_cap_log(CAP_LOG.splitlines()[-1]) is None
+
+
+def test_a_run_cut_by_its_calls_time_still_writes_what_it_measured(tmp_path, monkeypatch):
+    """The device call's ``timeout`` sends SIGTERM while bench_serving runs: run_one stops the
+    traffic, writes its JSON from the server's log (marked cut) and prints its line, instead of
+    dying with nothing written (the twelfth session's smoke run lost its JSON so)."""
+    run_one = _serving_module("run_one")
+    out = tmp_path / "out"
+    data = sharegpt_file(tmp_path / "sharegpt.json", 4)
+
+    class FakeServer:
+        url = "http://127.0.0.1:1"
+        proc = SimpleNamespace(pid=os.getpid())
+        stopped = False
+
+        def stop(self):
+            FakeServer.stopped = True
+
+    def start(cmd, log_path, timeout, env):
+        assert env == {"SGLANG_RIMURU_CARD_MIB": "32768"}
+        Path(log_path).write_text(CAP_LOG)
+        return FakeServer()
+
+    def traffic(args, phases, datasets, port, out, t0, results, bench_logs):
+        os.kill(os.getpid(), signal.SIGTERM)  # what `timeout` sends
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not stop the traffic")
+
+    monkeypatch.setattr(run_one, "start_local_server", start)
+    monkeypatch.setattr(run_one, "run_traffic", traffic)
+    monkeypatch.setattr(run_one.GpuSampler, "_sample_gpu", lambda self, t0: None)
+    monkeypatch.setattr(sys, "argv", ["run_one.py", "--name", "q3elastic32d_cap", "--model", "m", "--card-gb", "32",
+                                      "--card-cap", "--dataset", str(data), "--out", str(out), "--budget-s", "60",
+                                      "--", "--rimuru-mode", "elastic"])
+    try:
+        run_one.main()
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    res = json.loads((out / "q3elastic32d_cap.json").read_text())
+    assert FakeServer.stopped and res["cut"] is True and res["stopped_at_budget"] is True
+    assert res["bench"] == {} and res["all_completed"] is False
+    assert res["log"]["peak_running"] == 11
+    assert res["card_cap_log"]["outside_mib_max"] == 1191.6
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_phased_traffic_on_cpu(tmp_path, model_dir):
