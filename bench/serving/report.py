@@ -35,7 +35,9 @@ def load(paths: list[str]) -> list[dict]:
 
 def row(r: dict) -> str:
     b, lg, tr = r["bench"], r["log"], r.get("trace") or {}
-    done = f"{b.get('completed', 0)}/{r['num_prompts']}" + (" (stopped)" if r.get("stopped_at_budget") else "")
+    # "cut": the device call's timeout ended it (run_one.py's SIGTERM path), before its budget
+    done = f"{b.get('completed', 0)}/{r['num_prompts']}" + (
+        " (cut)" if r.get("cut") else " (stopped)" if r.get("stopped_at_budget") else "")
     # the card emulation's check (the process's peak against the card), said in the row;
     # "capped": torch's allocator was held to the card (run_one.py --card-cap)
     peak = max(r["peak_process_mib"], r.get("peak_gpu_mib") or 0)

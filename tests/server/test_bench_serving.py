@@ -114,6 +114,8 @@ def test_report_shows_a_stopped_run_by_its_decode_log():
                "log": {"peak_running": 26, "gen_tok_s_mean": 87.6}}
     t = table([done, stopped])
     assert "| static24 | 24 GB | 0/500 (stopped) | 0.0 | ~88 (decode log) |" in t
+    # ended by the device call's timeout before its budget (run_one.py's SIGTERM path)
+    assert "| static24 | 24 GB | 0/500 (cut) | 0.0 | ~88 (decode log) |" in table([{**stopped, "cut": True}])
     assert "| off24 | 24 GB | 500/500 | 90.0 | 1000 |" in t
     # the card check in the row: a peak past the card (the process's, or the whole GPU's) says so
     over = {**stopped, "name": "elastic24", "peak_gpu_mib": 24600, "card_cap": True}
