@@ -19,7 +19,8 @@ MODES = ("off", "static", "elastic")
 #: the paged MoE kernel on CUDA. ``exact``: SGLang's launch configs, SiLU*up and
 #: top-k sum, outputs bit-equal to ``--rimuru-mode off``. ``fast``: the kernel's
 #: own tuned configs, SiLU*up fused into the gate/up GEMM, its Triton top-k sum.
-MOE_KERNELS = ("exact", "fast")
+#: ``auto``: one of the two per server (:func:`choose_moe_kernel`).
+MOE_KERNELS = ("auto", "exact", "fast")
 #: --rimuru-mix-decodes: "offloaded" = prefill passes carry the running decodes while any
 #: routed expert is offloaded; "sglang" = SGLang's own --enable-mixed-chunk alone
 MIX_DECODES = ("offloaded", "sglang")
@@ -60,7 +61,7 @@ class RimuruConfig:
     #: load buffers first. CUDA graphs always read in place.
     zero_copy_max_tokens: int = 128
     #: the paged MoE kernel's arithmetic on CUDA (MOE_KERNELS); the CPU path is torch either way
-    moe_kernel: str = "exact"
+    moe_kernel: str = "auto"
     #: when a prefill pass also advances the running decode requests (MIX_DECODES)
     mix_decodes: str = "offloaded"
 
@@ -209,7 +210,10 @@ class RimuruConfig:
             help="The paged MoE kernel's arithmetic on a GPU. 'exact': SGLang's launch configs, SiLU*up "
             "and top-k sum (outputs bit-equal to --rimuru-mode off). 'fast': the kernel's own tuned "
             "configs (H200 tables for Qwen1.5-MoE-A2.7B and Qwen3-30B-A3B, a default table elsewhere), "
-            "SiLU*up fused into the gate/up GEMM and its Triton top-k sum (same math, other rounding order).",
+            "SiLU*up fused into the gate/up GEMM and its Triton top-k sum (same math, other rounding order). "
+            "'auto' (default): static mode exact (its outputs equal mode off's); elastic mode fast where "
+            "the kernel has a tuned table for the model's shape on this GPU, exact otherwise and under "
+            "--enable-deterministic-inference (the start line says which and why).",
         )
         group.add_argument(
             "--rimuru-mix-decodes",
@@ -302,3 +306,35 @@ class RimuruConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "RimuruConfig":
         return cls(**data)
+
+
+def choose_moe_kernel(choice: str, mode: str, *, deterministic: bool, tuned_table: str | None,
+                      routed_scaling_factor: float | None) -> tuple[str, str]:
+    """The paged kernel a server runs for ``--rimuru-moe-kernel choice``, and why.
+
+    ``exact`` and ``fast`` are taken as given. ``auto``:
+
+    * static: ``exact``. Its outputs equal mode off's, and a layer that keeps every
+      expert runs SGLang's own MoE on the pool's pages (as fast as plain SGLang).
+    * elastic: ``fast`` when ``tuned_table`` names the kernel's own tuned table for
+      the shape on this GPU. Elastic's residency moves, so it always runs the paged
+      kernel; at SGLang's launch configs that kernel took 1.052x plain SGLang's decode
+      step at Qwen1.5-MoE batch 8, with its own tables 0.987x (and 0.941-1.012x at
+      Qwen3-30B-A3B, bench/RESULTS.md, thirteenth session). With experts offloaded the
+      two read host memory at the same rate (747.8 vs 753.6 ms a Qwen3 step).
+      ``exact`` otherwise: under ``--enable-deterministic-inference`` (elastic's
+      outputs equal mode off's there, which needs SGLang's arithmetic), for layers
+      with a ``routed_scaling_factor`` other than 1 (the fast top-k sum does not
+      apply it), or with no tuned table (the default table is not measured to win).
+    """
+    if choice != "auto":
+        return choice, "given"
+    if mode != "elastic":
+        return "exact", f"{mode} mode: outputs equal --rimuru-mode off"
+    if deterministic:
+        return "exact", "--enable-deterministic-inference: SGLang's arithmetic, outputs equal --rimuru-mode off"
+    if routed_scaling_factor not in (None, 1.0):
+        return "exact", f"routed_scaling_factor {routed_scaling_factor}, which the fast top-k sum does not apply"
+    if tuned_table is None:
+        return "exact", "no tuned table of the fast kernel for this shape on this GPU"
+    return "fast", f"elastic mode with a tuned table ({tuned_table})"

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from sglang_rimuru.config import MOE_KERNELS, RimuruConfig
+from sglang_rimuru.config import MOE_KERNELS, RimuruConfig, choose_moe_kernel
 
 
 def parse(*argv: str) -> RimuruConfig:
@@ -17,7 +17,7 @@ def parse(*argv: str) -> RimuruConfig:
 
 def test_defaults_are_the_dataclass_defaults():
     assert parse() == RimuruConfig()
-    assert RimuruConfig().moe_kernel == "exact"
+    assert RimuruConfig().moe_kernel == "auto"
 
 
 @pytest.mark.parametrize("kernel", MOE_KERNELS)
@@ -28,16 +28,48 @@ def test_moe_kernel_flag_in_pool_modes(mode, kernel):
     assert RimuruConfig.from_dict(config.to_dict()) == config  # what the spawned processes get
 
 
-def test_moe_kernel_fast_needs_a_pool_mode():
+@pytest.mark.parametrize("kernel", ["exact", "fast"])
+def test_moe_kernel_needs_a_pool_mode(kernel):
     with pytest.raises(ValueError, match=r"^--rimuru-moe-kernel need --rimuru-mode static or elastic$"):
-        parse("--rimuru-moe-kernel", "fast")
-    assert parse("--rimuru-moe-kernel", "exact") == RimuruConfig()  # the default is fine anywhere
+        parse("--rimuru-moe-kernel", kernel)
+    assert parse("--rimuru-moe-kernel", "auto") == RimuruConfig()  # the default is fine anywhere
+
+
+Q15_TABLE = "E=60,N=1408,device_name=NVIDIA_H200.json"
+
+
+def test_auto_kernel_static_is_exact_whatever_the_tables():
+    for deterministic in (False, True):
+        assert choose_moe_kernel("auto", "static", deterministic=deterministic, tuned_table=Q15_TABLE,
+                                 routed_scaling_factor=None) == ("exact", "static mode: outputs equal "
+                                                                 "--rimuru-mode off")
+
+
+def test_auto_kernel_elastic_is_fast_with_a_tuned_table():
+    assert choose_moe_kernel("auto", "elastic", deterministic=False, tuned_table=Q15_TABLE,
+                             routed_scaling_factor=1.0) == ("fast", f"elastic mode with a tuned table ({Q15_TABLE})")
+
+
+@pytest.mark.parametrize(("deterministic", "table", "scale", "why"), [
+    (True, Q15_TABLE, None, "--enable-deterministic-inference: SGLang's arithmetic, outputs equal --rimuru-mode off"),
+    (False, None, None, "no tuned table of the fast kernel for this shape on this GPU"),
+    (False, Q15_TABLE, 2.5, "routed_scaling_factor 2.5, which the fast top-k sum does not apply"),
+])
+def test_auto_kernel_elastic_falls_back_to_exact(deterministic, table, scale, why):
+    assert choose_moe_kernel("auto", "elastic", deterministic=deterministic, tuned_table=table,
+                             routed_scaling_factor=scale) == ("exact", why)
+
+
+@pytest.mark.parametrize("kernel", ["exact", "fast"])
+def test_given_kernel_is_kept(kernel):
+    assert choose_moe_kernel(kernel, "elastic", deterministic=True, tuned_table=None,
+                             routed_scaling_factor=None) == (kernel, "given")
 
 
 def test_unknown_moe_kernel():
     with pytest.raises(SystemExit):  # argparse: one "invalid choice" line
         parse("--rimuru-mode", "static", "--rimuru-moe-kernel", "turbo")
-    with pytest.raises(ValueError, match=r"--rimuru-moe-kernel: unknown kernel 'turbo'; choose from exact, fast"):
+    with pytest.raises(ValueError, match=r"--rimuru-moe-kernel: unknown kernel 'turbo'; choose from auto, exact, fast"):
         RimuruConfig(mode="static", moe_kernel="turbo")
 
 

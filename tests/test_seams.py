@@ -320,6 +320,41 @@ def test_moe_kernel_fast_leaves_the_kernel_its_own_defaults(monkeypatch):
         RimuruRuntime.kernel_hooks(fast, _moe_layers(2.5, 2.5), q15, None, torch.device("cuda"))
 
 
+def test_moe_kernel_auto_in_elastic_mode(monkeypatch):
+    """auto: elastic runs the fast kernel where it has a tuned table (Qwen1.5-MoE on the H200),
+    exact without one, and exact under SGLang's deterministic inference."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rimuru_kernels import moe_config
+    from rimuru_patches.unified_pool import sglang_moe
+    from rimuru_patches.unified_pool.runtime import RimuruRuntime
+    from sglang_rimuru.config import RimuruConfig
+    from sglang_rimuru.experts import KernelHooks, MoEShape
+
+    monkeypatch.delenv("RIMURU_KERNELS_CONFIG_DIR", raising=False)
+    monkeypatch.setattr(moe_config, "device_name", lambda device: "NVIDIA_H200")
+    fakes = {"try_get_optimal_moe_config": None, "get_config_dtype_str": lambda dtype: None, "silu_and_mul": object(),
+             "_use_moe_sum_reduce_torch_compile": None, "moe_sum_reduce_torch_compile": None, "moe_sum_reduce": None}
+    monkeypatch.setattr(sglang_moe, "resolve_targets", lambda: fakes)
+    elastic = RimuruConfig(mode="elastic")
+    q15 = MoEShape(num_experts=60, hidden=2048, inter=1408, top_k=4, layer_ids=(0, 1), dtype=torch.bfloat16)
+    args = SimpleNamespace(enable_fused_moe_sum_all_reduce=False, enable_deterministic_inference=False)
+    hooks, words = RimuruRuntime.kernel_hooks(elastic, _moe_layers(None, None), q15, args, torch.device("cuda"))
+    assert hooks == KernelHooks()
+    tables = "E=60,N=1408,device_name=NVIDIA_H200.json + E=60,N=1408,device_name=NVIDIA_H200_down.json"
+    assert words == (f"auto -> elastic mode with a tuned table ({tables}): fast (configs {tables}; "
+                     "SiLU*up fused, Triton top-k sum)")
+    tp2 = MoEShape(num_experts=60, hidden=2048, inter=704, top_k=4, layer_ids=(0, 1), dtype=torch.bfloat16)
+    hooks, words = RimuruRuntime.kernel_hooks(elastic, _moe_layers(None), tp2, args, torch.device("cuda"))
+    assert hooks != KernelHooks() and words.startswith(
+        "auto -> no tuned table of the fast kernel for this shape on this GPU: exact (")
+    args.enable_deterministic_inference = True
+    hooks, words = RimuruRuntime.kernel_hooks(elastic, _moe_layers(None), q15, args, torch.device("cuda"))
+    assert hooks != KernelHooks() and words.startswith("auto -> --enable-deterministic-inference: ")
+
+
 def test_moe_kernel_exact_gives_the_kernel_sglang_functions(monkeypatch):
     from types import SimpleNamespace
 
@@ -336,10 +371,16 @@ def test_moe_kernel_exact_gives_the_kernel_sglang_functions(monkeypatch):
     monkeypatch.setattr(sglang_moe, "resolve_targets", lambda: fakes)
     shape = MoEShape(num_experts=8, hidden=64, inter=32, top_k=2, layer_ids=(0,), dtype=torch.bfloat16)
     args = SimpleNamespace(enable_fused_moe_sum_all_reduce=False)
-    hooks, words = RimuruRuntime.kernel_hooks(RimuruConfig(mode="static"), _moe_layers(None), shape, args,
-                                              torch.device("cuda"))
+    hooks, words = RimuruRuntime.kernel_hooks(RimuruConfig(mode="static", moe_kernel="exact"), _moe_layers(None),
+                                              shape, args, torch.device("cuda"))
     assert hooks.act_and_mul is silu and hooks.configs is not None and hooks.combine is not None
     assert words.startswith("exact (SGLang's configs, silu_and_mul and top-k sum")
+    # the default, auto, is exact in static mode and says so
+    monkeypatch.setattr("rimuru_kernels.moe_config.device_name", lambda device: "NVIDIA_H200")
+    hooks, words = RimuruRuntime.kernel_hooks(RimuruConfig(mode="static"), _moe_layers(None), shape, args,
+                                              torch.device("cuda"))
+    assert hooks.act_and_mul is silu
+    assert words.startswith("auto -> static mode: outputs equal --rimuru-mode off: exact (SGLang's configs")
     with pytest.raises(RuntimeError, match="different routed_scaling_factor values"):
         RimuruRuntime.kernel_hooks(RimuruConfig(mode="static"), _moe_layers(None, 2.0), shape, args,
                                    torch.device("cuda"))

@@ -22,7 +22,8 @@ import json
 import os
 
 #: every server real_shape_check.sh starts, in its order
-NAMES = ("off", "off2", "static_all", "static_all_paged", "static_all_fast", "static", "static_fast", "elastic")
+NAMES = ("off", "off2", "static_all", "static_all_paged", "static_all_fast", "static", "static_fast",
+         "elastic_all", "elastic_all_fast", "elastic_all_auto", "elastic")
 #: (numerator, denominator, label)
 PAIRS = (
     ("static_all_fast", "static_all", "fast/exact, every expert resident"),
@@ -35,6 +36,10 @@ PAIRS = (
     ("static_all_fast", "off", "static_all_fast/off"),
     ("static", "off", "static/off"),
     ("static_fast", "off", "static_fast/off"),
+    ("elastic_all", "off", "elastic_all/off (every expert resident, the exact paged kernel)"),
+    ("elastic_all_fast", "off", "elastic_all_fast/off (every expert resident, the fast paged kernel)"),
+    ("elastic_all_fast", "elastic_all", "fast/exact, elastic, every expert resident"),
+    ("elastic_all_auto", "off", "elastic_all_auto/off (every expert resident, the default kernel: auto)"),
     ("elastic", "off", "elastic/off"),
 )
 

@@ -15,6 +15,9 @@
 #   static mode otherwise hands to SGLang's own MoE in its layout).
 #   static_fast / static_all_fast: static / static_all with --rimuru-moe-kernel fast
 #   (the paged kernel's own configs, fused SiLU*up and top-k sum instead of SGLang's).
+#   elastic_all / elastic_all_fast: elastic mode with every expert resident (offload limit 0), which
+#   keeps the paged kernel (its residency may move), with --rimuru-moe-kernel exact / fast;
+#   elastic_all_auto: the same with no kernel flag (the default, auto: fast where tuned).
 #   A stage is skipped (and said so) when fewer than STAGE_S (170) seconds remain of
 #   DEADLINE_S (560), so the summary (bench/device/probe_summary.py) always prints.
 set -uo pipefail
@@ -81,6 +84,11 @@ for stage in $STAGES; do
         ${STATIC_SPLIT:---rimuru-resident-experts 50 --rimuru-expert-offload-limit 10} ;;
     static_fast) BATCHES=${STATIC_BATCHES:-${BATCHES:-1,32}} run static_fast 30004 --rimuru-mode static \
         --rimuru-resident-experts 50 --rimuru-expert-offload-limit 10 --rimuru-moe-kernel fast ;;
+    elastic_all) run elastic_all 30008 --rimuru-mode elastic --rimuru-expert-offload-limit 0 \
+        --rimuru-moe-kernel exact ;;
+    elastic_all_fast) run elastic_all_fast 30009 --rimuru-mode elastic --rimuru-expert-offload-limit 0 \
+        --rimuru-moe-kernel fast ;;
+    elastic_all_auto) run elastic_all_auto 30010 --rimuru-mode elastic --rimuru-expert-offload-limit 0 ;;
     elastic) run elastic 30002 --rimuru-mode elastic --rimuru-expert-offload-limit ${ELASTIC_LIMIT:-20} \
         --rimuru-adjuster-trace "$OUT/elastic_trace.jsonl" ;;
     esac

@@ -32,7 +32,7 @@ import torch
 
 from rimuru_patches import card_cap
 from rimuru_patches.unified_pool import host_experts
-from sglang_rimuru.config import RimuruConfig
+from sglang_rimuru.config import RimuruConfig, choose_moe_kernel
 from sglang_rimuru.experts import (
     ExpertManager,
     NotEnoughPagesError,
@@ -347,10 +347,10 @@ class RimuruRuntime:
 
     @staticmethod
     def _sglang_layout(config: RimuruConfig) -> bool:
-        """Static mode with the exact kernel places layers that keep every expert in
-        SGLang's layout, for SGLang's own MoE (``use_sglang_moe``).
+        """Static mode with the exact kernel (given, or ``auto``'s pick in static mode) places
+        layers that keep every expert in SGLang's layout, for SGLang's own MoE (``use_sglang_moe``).
         ``SGLANG_RIMURU_PAGED_ONLY=1`` keeps the paged kernel everywhere (A/B runs)."""
-        return (config.mode == "static" and config.moe_kernel == "exact"
+        return (config.mode == "static" and config.moe_kernel in ("exact", "auto")
                 and os.environ.get("SGLANG_RIMURU_PAGED_ONLY", "0") in ("", "0"))
 
     def use_sglang_moe(self, layers) -> str:
@@ -399,6 +399,9 @@ class RimuruRuntime:
                      device: torch.device) -> tuple[KernelHooks, str]:
         """The paged kernel's hooks on CUDA for ``--rimuru-moe-kernel``, and the start line's words for them.
 
+        ``auto`` picks one of the two below (``choose_moe_kernel``: elastic mode with a
+        tuned table runs ``fast``, everything else ``exact``).
+
         * ``exact``: SGLang's launch configs (up and down), ``silu_and_mul`` and
           top-k combine (``sglang_moe.py``): outputs bit-equal to ``--rimuru-mode off``;
           loud if SGLang moved them.
@@ -409,22 +412,30 @@ class RimuruRuntime:
           top-k sum. Refused for layers with a ``routed_scaling_factor`` other
           than 1, which that sum does not apply.
         """
+        from rimuru_kernels import moe_config
+
         scales = {getattr(moe.moe_runner_config, "routed_scaling_factor", None) for moe, _ in layers.values()}
         if len(scales) > 1:
             raise RuntimeError(f"--rimuru-mode: MoE layers use different routed_scaling_factor values {scales}")
         scale = scales.pop()
-        if config.moe_kernel == "fast":
+        tables = tuned = None
+        if config.moe_kernel != "exact":  # the fast kernel's tables for this shape on this GPU
+            up, down = moe_config.config_files(shape.num_experts, shape.inter, moe_config.device_name(device))
+            tables = up.name + (f" + {down.name}" if down else "")
+            tuned = None if up.name == moe_config.DEFAULT_CONFIG_FILE else tables
+        kernel, why = choose_moe_kernel(
+            config.moe_kernel, config.mode,
+            deterministic=bool(getattr(server_args, "enable_deterministic_inference", False)),
+            tuned_table=tuned, routed_scaling_factor=scale)
+        chosen = "" if config.moe_kernel != "auto" else f"auto -> {why}: "
+        if kernel == "fast":
             if scale not in (None, 1.0):
                 raise RuntimeError(f"--rimuru-moe-kernel fast: the MoE layers scale their output by "
                                    f"routed_scaling_factor {scale}, which the kernel's top-k sum does not apply; "
                                    "use --rimuru-moe-kernel exact")
-            from rimuru_kernels import moe_config
-
-            up, down = moe_config.config_files(shape.num_experts, shape.inter, moe_config.device_name(device))
-            tables = up.name + (f" + {down.name}" if down else "")
-            return KernelHooks(), f"fast (configs {tables}; SiLU*up fused, Triton top-k sum)"
+            return KernelHooks(), f"{chosen}fast (configs {tables}; SiLU*up fused, Triton top-k sum)"
         return (RimuruRuntime._sglang_kernel_hooks(shape, server_args, scale),
-                "exact (SGLang's configs, silu_and_mul and top-k sum: bit-equal to --rimuru-mode off)")
+                f"{chosen}exact (SGLang's configs, silu_and_mul and top-k sum: bit-equal to --rimuru-mode off)")
 
     @staticmethod
     def _sglang_kernel_hooks(shape: MoEShape, server_args, scale: float | None) -> KernelHooks:
