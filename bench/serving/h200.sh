@@ -72,6 +72,12 @@ for run in ${RUNS:-static32 elastic32}; do
     elastic24cf) one elastic24cf 24 q15 -- --rimuru-mode elastic --rimuru-expert-offload-limit 24 --rimuru-adjuster-policy cost --rimuru-moe-kernel fast ;;
     # issue 12's Qwen3-30B-A3B target on one 32 GB card (54 GiB of experts, 9 MiB each, 128 a layer):
     # SGLang --cpu-offload-gb N (the anchor: N = 32), static with N of 128 resident, elastic
+    # q3offload32_GB_lessMIB: the same with SGLang's static budget MIB below the card's rule, the
+    # room a user gives it so that its prefill graphs and layer copies fit (with the rule's budget it
+    # ran out of memory at start under the card's cap, thirteenth session)
+    q3offload32_*_less*) gb=${run#q3offload32_}; less=${gb#*_less}; gb=${gb%%_less*}
+        one "$run" 32 q3 -- --cpu-offload-gb "$gb" \
+            --mem-fraction-static "$(python3 -c "print(round((0.886 * 32768 - $less) / 143771, 5))")" ;;
     q3offload32_*) gb=${run#q3offload32_}; one "$run" 32 q3 -- --cpu-offload-gb "$gb" ;;
     # the anchor with SGLang's mixed chunked prefill: the choice the pool modes make while experts are out
     q3offload32m) one q3offload32m 32 q3 -- --cpu-offload-gb 32 --enable-mixed-chunk ;;

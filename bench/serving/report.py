@@ -9,8 +9,9 @@ that system at each run's own rate (throughput, TTFT median, peak running, TPOT
 median; ``NAME_rRATE`` against ``NAME-OF-BASELINE_rRATE``). ``--floor-step-ms
 [MS]`` adds each run's duration against its traffic's floor (``makespan.py``:
 below saturation the arrivals and the longest outputs, not the server, set the
-duration). Phased runs (``run_one.py --phases``) get a second table, phase by phase;
-they have no one rate, so no floor and no place in the rate plot. ``--plots DIR``
+duration). Phased runs (``run_one.py --phases``) get a second table, phase by phase,
+each phase beside its own floor and the run beside the sum of them (the most any server
+could serve that traffic over it); they have no one rate, so no place in the rate plot. ``--plots DIR``
 writes PNGs (matplotlib; the H200 image has it): the pool split over time
 (resident experts from the adjuster trace) beside the waiting queue, one per
 elastic run, and output throughput / TTFT median against request rate when
@@ -21,16 +22,23 @@ runs of one system at several rates are given (names ``SYSTEM`` at the anchors'
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import re
 from collections import defaultdict
 from pathlib import Path
 
-from makespan import FASTEST_STEP_MS, LENS, floor_of_run
+from makespan import FASTEST_STEP_MS, LENS, floor, floor_of_run
 
 
 def load(paths: list[str]) -> list[dict]:
-    return [json.loads(Path(p).read_text()) for p in paths]
+    """The runs' JSON, each with ``_dir``: where its side files (a phase's details) lie."""
+    runs = []
+    for p in paths:
+        r = json.loads(Path(p).read_text())
+        r["_dir"] = str(Path(p).resolve().parent)
+        runs.append(r)
+    return runs
 
 
 def row(r: dict) -> str:
@@ -140,17 +148,44 @@ def floors(results: list[dict], step_ms: float, lens: Path) -> str:
     return "\n".join(lines)
 
 
-def phase_table(results: list[dict]) -> str:
-    """Phased runs (run_one.py --phases), phase by phase: bench_serving's figures for each."""
+def phase_details(r: dict, i: int) -> dict | None:
+    """bench_serving's per-request details of phase ``i`` (run_one.py --phases writes them
+    beside the JSON as NAME_bench_phaseI.jsonl; bench/results keeps them gzipped), or None."""
+    for name in (f"{r['name']}_bench_phase{i}.jsonl", f"{r['name']}_bench_phase{i}.jsonl.gz"):
+        f = Path(r.get("_dir", ".")) / name
+        if f.exists():
+            text = gzip.open(f, "rt").read() if f.suffix == ".gz" else f.read_text()
+            return json.loads(text.strip().splitlines()[-1])
+    return None
+
+
+def phase_table(results: list[dict], step_ms: float = FASTEST_STEP_MS) -> str:
+    """Phased runs (run_one.py --phases), phase by phase: bench_serving's figures for each,
+    and each phase's traffic floor (makespan.py: its arrivals, at the run's seed, and its own
+    requests' output lengths, at the fastest decode step). A phase near its floor was bounded
+    by its arrivals, not the server; the run's duration over the sum of its phases' floors is
+    the most any server could serve this traffic above this run's throughput."""
     lines = ["| system | phase | rate req/s | completed | duration s | output tok/s | TTFT med / p99 s | "
-             "TPOT med / p99 ms |", "|---|---|---|---|---|---|---|---|"]
+             f"TPOT med / p99 ms | floor s (step {step_ms:g} ms) | duration / floor |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    bounds = []
     for r in results:
+        floors_s = []
         for i, p in enumerate(r.get("phases") or [], 1):
+            det = phase_details(r, i)
+            f = floor(det["output_lens"], p["rate"], r.get("seed", 1), step_ms) if det and det.get("output_lens") else None
+            floors_s.append(f.makespan_s if f else None)
+            fl = f"{f.makespan_s:.1f} | {p.get('duration', 0) / f.makespan_s:.2f}x" if f else "- | -"
             lines.append(f"| {r['name']} | {i} | {p['rate']:g} | {p.get('completed', 0)}/{p['num_prompts']} | "
                          f"{p.get('duration', 0):.1f} | {p.get('output_throughput', 0):.0f} | "
                          f"{p.get('median_ttft_ms', 0) / 1e3:.2f} / {p.get('p99_ttft_ms', 0) / 1e3:.2f} | "
-                         f"{p.get('median_tpot_ms', 0):.2f} / {p.get('p99_tpot_ms', 0):.2f} |")
-    return "\n".join(lines)
+                         f"{p.get('median_tpot_ms', 0):.2f} / {p.get('p99_tpot_ms', 0):.2f} | {fl} |")
+        dur = r.get("bench", {}).get("duration")
+        if floors_s and None not in floors_s and dur:
+            bounds.append(f"- {r['name']}: its phases' floors sum to {sum(floors_s):.1f} s against its "
+                          f"{dur:.1f} s, so no server serves this traffic at more than "
+                          f"{dur / sum(floors_s):.2f}x its output throughput")
+    return "\n".join(lines + ([""] + bounds if bounds else []))
 
 
 def steps(results: list[dict]) -> str:
@@ -252,7 +287,7 @@ def main() -> None:
     print(table(results))
     if any(r.get("phases") for r in results):
         print()
-        print(phase_table(results))
+        print(phase_table(results, args.floor_step_ms or FASTEST_STEP_MS))
     if args.baseline:
         print()
         print(ratios(results, args.baseline))

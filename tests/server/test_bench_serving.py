@@ -194,6 +194,33 @@ def test_report_compares_each_rate_with_the_baseline_at_that_rate(tmp_path):
     assert "| static | - | - (no bench_serving summary) |" in report.floors([stopped], 10.0, lens)
 
 
+def test_the_phase_table_sets_each_phase_beside_its_own_floor(tmp_path):
+    """A phased run has no one rate, but each phase has: its floor replays that phase's
+    arrivals at the run's seed with its own requests' output lengths (bench_serving's
+    details beside the JSON, plain or gzipped), and the sum of the phases' floors bounds
+    what any server could serve of the whole run. A phase without details gets none."""
+    import gzip
+
+    report, ms = _serving_module("report"), _serving_module("makespan")
+    phases = [{"rate": 1.0, "num_prompts": 3, "completed": 3, "duration": 5.0},
+              {"rate": 20.0, "num_prompts": 2, "completed": 2, "duration": 4.0}]
+    run = {"name": "el_ph", "seed": 2, "phases": phases, "bench": {"duration": 9.0}}
+    (tmp_path / "el_ph.json").write_text(json.dumps(run))
+    (tmp_path / "el_ph_bench_phase1.jsonl").write_text(json.dumps({"output_lens": [10, 400, 30]}) + "\n")
+    with gzip.open(tmp_path / "el_ph_bench_phase2.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"output_lens": [200, 1000]}) + "\n")
+    [loaded] = report.load([str(tmp_path / "el_ph.json")])
+    f1, f2 = ms.floor([10, 400, 30], 1.0, 2, 5.0), ms.floor([200, 1000], 20.0, 2, 5.0)
+    table = report.phase_table([loaded], 5.0)
+    assert f"| el_ph | 1 | 1 | 3/3 | 5.0 | 0 | 0.00 / 0.00 | 0.00 / 0.00 | {f1.makespan_s:.1f} | " \
+           f"{5.0 / f1.makespan_s:.2f}x |" in table
+    assert f"| {f2.makespan_s:.1f} | {4.0 / f2.makespan_s:.2f}x |" in table
+    assert f"more than {9.0 / (f1.makespan_s + f2.makespan_s):.2f}x its output throughput" in table
+    (tmp_path / "el_ph_bench_phase1.jsonl").unlink()
+    table = report.phase_table([loaded], 5.0)
+    assert "| 0.00 / 0.00 | - | - |" in table and "no server serves" not in table
+
+
 def test_skew_is_independent_of_the_router_logits_scale():
     """The benchmark's skewed routing standardizes each token's logits before the bias:
     dummy weights give logits of ~1e-5, and an unstandardized bias of s = 2 sent every
