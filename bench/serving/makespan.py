@@ -84,7 +84,10 @@ def floor_of_run(run: dict, step_ms: float = FASTEST_STEP_MS, lens: Path = LENS)
     total = run.get("bench", {}).get("total_output_tokens")
     if total is None or run.get("rate") is None or not Path(lens).exists():
         return None
-    outputs = load_outputs(run["num_prompts"], lens)
+    try:
+        outputs = load_outputs(run["num_prompts"], lens)
+    except ValueError:  # more requests than the file holds: not its sample either
+        return None
     if sum(outputs) != total:
         return None
     return floor(outputs, run["rate"], run.get("seed", LENS_SEED), step_ms)

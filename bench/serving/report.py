@@ -17,6 +17,7 @@ writes PNGs (matplotlib; the H200 image has it): the pool split over time
 elastic run, and output throughput / TTFT median against request rate when
 runs of one system at several rates are given (names ``SYSTEM`` at the anchors'
 10 req/s, ``SYSTEM_rRATE`` at other rates, as bench/serving/h200.sh names them).
+``--targets``: issue 12's targets over the runs given (``targets.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from makespan import FASTEST_STEP_MS, LENS, floor, floor_of_run
+from targets import targets_table
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -278,6 +280,8 @@ def main() -> None:
                     help=f"add each run's traffic floor (makespan.py) at this fastest decode step "
                          f"(default {FASTEST_STEP_MS} ms, plain SGLang's at batch 1)")
     ap.add_argument("--lens", default=str(LENS), help="[prompt_len, output_len] per request, bench order")
+    ap.add_argument("--targets", action="store_true",
+                    help="issue 12's targets over these runs (targets.py): pairs, ratios, verdicts, code digests")
     ap.add_argument("--steps", action="store_true",
                     help="the decode steps elastic runs timed, by batch, beside their cost model's price")
     args = ap.parse_args()
@@ -297,6 +301,9 @@ def main() -> None:
     if args.steps:
         print()
         print(steps(results))
+    if args.targets:
+        print()
+        print(targets_table(results, args.floor_step_ms or FASTEST_STEP_MS, Path(args.lens)))
     if args.plots:
         for p in plots(results, Path(args.plots), args.floor_step_ms, Path(args.lens)):
             print("wrote", p)

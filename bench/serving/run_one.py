@@ -55,6 +55,7 @@ from sglang_rimuru.adjuster.cost import step_record_path  # noqa: E402
 from sglang_rimuru.serving import start_local_server  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from code_digest import tree_digest  # noqa: E402
 from phases import aggregate, parse_phases, phase_datasets, phase_summary  # noqa: E402
 
 #: what the lent H200 needs (no flashinfer there; bench/device/setup_device.sh)
@@ -397,6 +398,8 @@ def main() -> None:
     res = {
         "name": args.name, "server_args": server_args, "card_gib": args.card_gb, "card_cap": args.card_cap,
         "router_skew": args.skew,
+        # the server code this run ran (code_digest.py: the device has no .git to name a commit)
+        "code_digest": tree_digest(), "model": Path(args.model).name,
         # a phased run has no one rate (report.py leaves it out of rate plots and traffic floors)
         "fraction": card_fraction(args.card_gb), "rate": None if args.phases else args.rate,
         "num_prompts": num_prompts, "seed": args.seed,

@@ -69,6 +69,9 @@ def test_run_one_and_report_on_cpu(tmp_path, model_dir):
     assert res["peak_gpu_mib"] == 0  # no nvidia-smi here: nothing sampled, nothing made up
     assert res["peak_host_rss_mib"] > 100  # the server's processes (SGLang alone is hundreds of MiB)
     assert "elastic_cpu: completed 12/12" in proc.stdout
+    # the server code it ran (the device has no .git: the digest names it), and the model
+    assert res["code_digest"] == _serving_module("code_digest").tree_digest(ROOT)
+    assert res["model"] == Path(model).name
 
     rep = subprocess.run([sys.executable, str(ROOT / "bench/serving/report.py"), str(out / "elastic_cpu.json"),
                           "--baseline", "elastic_cpu"], capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -219,6 +222,132 @@ def test_the_phase_table_sets_each_phase_beside_its_own_floor(tmp_path):
     (tmp_path / "el_ph_bench_phase1.jsonl").unlink()
     table = report.phase_table([loaded], 5.0)
     assert "| 0.00 / 0.00 | - | - |" in table and "no server serves" not in table
+
+
+def _run(name, card, tput=None, *, rate=10.0, skew=0.0, num=500, ttft=100.0, tpot=5.0, running=10, queued=50,
+         log_rate=None, pass_rate=None, peak=1000, digest=None, phases=None):
+    """A run_one.py result as targets.py reads it: finished (tput) or stopped at its budget."""
+    r = {"name": name, "card_gib": card, "rate": None if phases else rate, "router_skew": skew,
+         "num_prompts": num, "seed": 1, "peak_process_mib": peak, "peak_gpu_mib": peak,
+         "log": {"peak_running": running, "peak_queued": queued, "gen_tok_s_mean": log_rate},
+         "bench": {} if tput is None else {"output_throughput": tput, "median_ttft_ms": ttft,
+                                           "median_tpot_ms": tpot, "duration": 100.0,
+                                           "total_output_tokens": int(tput * 100)}}
+    if pass_rate:
+        r["pass_tokens"] = {"tok_s": pass_rate}
+    if digest:
+        r["code_digest"] = digest
+    if phases:
+        r["phases"] = phases
+    return r
+
+
+def _rows(table: str, target: str) -> list[str]:
+    return [line for line in table.splitlines() if line.startswith(f"| {target} |")]
+
+
+def _cells(row: str) -> list[str]:
+    return [c.strip() for c in row.strip().strip("|").split(" | ")]
+
+
+def test_targets_pair_runs_by_traffic_and_take_the_best_baseline(tmp_path):
+    """Issue 12's targets: each elastic run against plain SGLang on the same traffic (the
+    same routing, rate, requests), against the best of several static budgets, with the
+    issue's thresholds (1.3x plain skewed, 1.15x uniform); a target without a pair says so."""
+    targets = _serving_module("targets")
+    lens = tmp_path / "missing.json"  # no lens file: no traffic ceilings
+    rs = [_run("off32-skew_r20", 32, 1000.0, rate=20, skew=1, ttft=10_000, running=30, queued=200),
+          _run("elastic32-skew_r20", 32, 1450.0, rate=20, skew=1, ttft=800, running=74),
+          _run("off32", 32, 1000.0, running=30, queued=60),  # uniform: another traffic
+          _run("elastic32", 32, 1010.0, running=31),
+          _run("static24-skew", 24, 600.0, skew=1), _run("static24r39-skew", 24, 640.0, skew=1),
+          _run("elastic24d-skew", 24, 700.0, skew=1)]
+    table = targets.targets_table(rs, 3.75, lens)
+    tput = _rows(table, "32 GB Qwen1.5: throughput >= 1.3x plain (skewed), 1.15x (uniform)")
+    assert [_cells(r)[2:5] for r in tput] == [
+        ["elastic32 / off32", "1.01x", "not met"], ["elastic32-skew_r20 / off32-skew_r20", "1.45x", "**met**"]]
+    assert _rows(table, "32 GB Qwen1.5: TTFT median <= 0.6x plain")[1].endswith("| 0.08x | **met** |")
+    assert _rows(table, "32 GB Qwen1.5: peak running >= 2x plain")[1].endswith("| 2.47x | **met** |")
+    [static] = _rows(table, "elastic >= 1.3x the best static budget")
+    assert "elastic24d-skew / static24r39-skew (best of 2) | 1.09x | not met |" in static
+    # plain SGLang is the budget with every expert resident: a static run that offloads
+    # does not make elastic's tie with plain a win over "the best static budget"
+    table = targets.targets_table([*rs, _run("static32r58", 32, 690.0)], 3.75, lens)
+    assert "| elastic32 / off32 (best of 2, plain as every expert resident) | 1.01x | not met |" in table
+    assert _rows(table, "1 req/s: TPOT within 5 % of plain") == [
+        "| 1 req/s: TPOT within 5 % of plain | - | - | no pair among these runs | not measured |"]
+    assert "- peak GPU memory within the card: every run" in table
+
+
+def test_targets_say_where_the_traffic_not_the_server_bounds_a_ratio(tmp_path):
+    """Below saturation the arrivals set the duration: a throughput target under what the
+    traffic allows (makespan.py's ceiling over plain) is light load, as are TTFT and running
+    where plain never queued more requests than it ran; at 1 req/s TPOT is the target."""
+    targets, ms = _serving_module("targets"), _serving_module("makespan")
+    lens = tmp_path / "lens.json"
+    lens.write_text(json.dumps([[5, 100], [5, 1001], [5, 5]]))
+    total = 1106
+    ceiling = ms.floor([100, 1001, 5], 10.0, 1, 3.75).ceiling_tok_s
+    plain = _run("off32", 32, ceiling / 1.1, num=3, queued=40, running=10)
+    plain["bench"]["total_output_tokens"] = total
+    elastic = _run("elastic32", 32, ceiling, num=3, running=12)
+    light_plain = _run("off32_r1", 32, 300.0, rate=1, num=60, tpot=4.43, queued=0, running=7)
+    light_el = _run("elastic32_r1", 32, 300.0, rate=1, num=60, tpot=4.20, running=7)
+    table = targets.targets_table([plain, elastic, light_plain, light_el], 3.75, lens)
+    tput = {_cells(r)[2]: _cells(r)[3:5] for r in
+            _rows(table, "32 GB Qwen1.5: throughput >= 1.3x plain (skewed), 1.15x (uniform)")}
+    assert tput == {"elastic32 / off32": ["1.10x", "light load: the traffic allows at most 1.10x"],
+                    "elastic32_r1 / off32_r1": ["1.00x", "light load: plain's queue peaked at 0, its running at 7"]}
+    running = {_cells(r)[2]: _cells(r)[3:5] for r in _rows(table, "32 GB Qwen1.5: peak running >= 2x plain")}
+    assert running["elastic32 / off32"] == ["1.20x", "not met"]  # plain queued 40 with 10 running
+    assert _rows(table, "1 req/s: TPOT within 5 % of plain")[0].endswith("| TPOT 0.95x | **met** |")
+
+
+def test_targets_compare_stopped_runs_by_named_sources_and_flag_a_borrowed_anchor(tmp_path):
+    """A run stopped at its budget has no bench_serving figures: a pool-mode run's pass
+    record (it counts the decodes mixed prefill passes carry), else SGLang's decode log,
+    each named. SGLang's offload streams whole layers whatever the routing, so a skewed
+    elastic run without its own anchor is set against the anchor of another traffic,
+    flagged; a phased run never is. Over-card runs and code digests are listed."""
+    targets = _serving_module("targets")
+    rs = [_run("q3offload32_34_less2560_cap", 32, log_rate=62.0, digest="aaaaaaaaaaaa"),
+          _run("q3elastic32d_cap", 32, log_rate=118.0, pass_rate=218.7, digest="aaaaaaaaaaaa"),
+          _run("q3elastic32-skew", 32, log_rate=295.0, skew=1, num=150, peak=33_000),
+          _run("elastic24d-skew_ph", 24, 637.0, skew=1, phases=[{"rate": 1.0, "num_prompts": 45}]),
+          _run("offload24-skew", 24, log_rate=91.0, skew=1, num=150)]
+    rs[0]["model"] = "q3"
+    table = targets.targets_table(rs, 3.75, tmp_path / "missing.json")
+    q3 = {_cells(r)[2]: _cells(r)[3:5]
+          for r in _rows(table, "32 GB Qwen3: >= 2x (uniform) / 3x (skewed) the best --cpu-offload-gb")}
+    assert q3 == {
+        "q3elastic32-skew / q3offload32_34_less2560_cap (anchor on 32 GB, Qwen3-30B-A3B, uniform, 10 req/s x 500)":
+            ["~4.76x (decode log / decode log)", "**met**"],
+        "q3elastic32d_cap / q3offload32_34_less2560_cap": ["~3.53x (pass record / decode log)", "**met**"]}
+    assert _rows(table, "24 GB Qwen1.5: >= 5x the best --cpu-offload-gb") == [
+        "| 24 GB Qwen1.5: >= 5x the best --cpu-offload-gb | - | - | no pair among these runs | not measured |"]
+    assert "**over the card**: q3elastic32-skew" in table
+    assert "**2 digests**: `aaaaaaaaaaaa`: q3offload32_34_less2560_cap, q3elastic32d_cap; " \
+           "`unknown (run before code_digest.py)`: q3elastic32-skew, elastic24d-skew_ph, offload24-skew" in table
+
+
+def test_the_code_digest_covers_the_servers_code_only(tmp_path):
+    """code_digest.py hashes what the server imports (sglang_rimuru/, kernels/, patches/:
+    sources and tuned tables), so a benchmark or RESULTS change keeps it and a kernel table
+    change moves it; a commit's digest read from git equals its checkout's."""
+    cd = _serving_module("code_digest")
+    for rel, text in {"sglang_rimuru/a.py": "x = 1\n", "kernels/pkg/cfg.json": "{}", "bench/b.py": "y\n",
+                      "sglang_rimuru/__pycache__/a.pyc": "junk", "patches/README.md": "doc"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    first = cd.tree_digest(tmp_path)
+    (tmp_path / "bench/b.py").write_text("changed\n")
+    (tmp_path / "patches/README.md").write_text("changed")
+    assert cd.tree_digest(tmp_path) == first and len(first) == 12
+    (tmp_path / "kernels/pkg/cfg.json").write_text('{"BLOCK_M": 16}')
+    assert cd.tree_digest(tmp_path) != first
+    assert cd.commit_digest("HEAD", ROOT) == cd.tree_digest(ROOT) or subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain", "--", *cd.CODE_DIRS], capture_output=True,
+        text=True).stdout.strip()  # a working tree with uncommitted server code differs from HEAD
 
 
 def test_skew_is_independent_of_the_router_logits_scale():

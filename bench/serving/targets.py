@@ -1,0 +1,216 @@
+"""Issue 12's targets from run_one.py's JSON: each target, the runs it compares, the ratio, the verdict.
+
+    python3 bench/serving/report.py RUN.json [...] --targets
+
+Runs are paired by traffic (model, card, routing, rate or phases, requests, seed: the same
+requests at the same arrival times) and by system, read from the run's name as
+``bench/serving/h200.sh`` names them: ``off`` (plain SGLang), ``offload`` (SGLang's
+``--cpu-offload-gb``), ``static``, ``elastic``, each ``q3``-prefixed for the Qwen3-30B-A3B
+shape. Against several runs of one baseline system on a traffic, the best of them counts
+(the issue's "best ``--cpu-offload-gb`` setting", "best static budget"). Throughput is
+bench_serving's; where either side of a pair stopped at its budget, both sides' SGLang
+decode-log means instead, marked ``~``. A throughput target below its threshold says what
+the traffic allows (``makespan.py``: no server beats the traffic's floor), where the baseline's
+traffic is the lens file's. A target with no pair among the runs is listed as not measured.
+
+The last lines say which server code each run ran (``code_digest.py``): the issue wants
+its tables from runs at one commit, which one digest across the runs shows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from makespan import FASTEST_STEP_MS, LENS, floor_of_run
+
+SYSTEM = re.compile(r"^(?P<q3>q3)?(?P<system>offload|off|static|elastic)")
+
+
+def model_of(r: dict) -> str:
+    """``q3`` (Qwen3-30B-A3B shape) or ``q15`` (Qwen1.5-MoE): the JSON's model (since
+    code_digest.py) or the name's prefix (older runs)."""
+    if r.get("model"):
+        return "q3" if r["model"] == "q3" else "q15"
+    return "q3" if r["name"].startswith("q3") else "q15"
+
+
+def system_of(r: dict) -> str | None:
+    m = SYSTEM.match(r["name"])
+    return m.group("system") if m else None
+
+
+def traffic_of(r: dict) -> tuple:
+    phases = tuple((p["rate"], p["num_prompts"]) for p in r.get("phases") or []) or None
+    return (model_of(r), r["card_gib"], bool(r.get("router_skew")), r.get("rate"), phases,
+            r.get("num_prompts"), r.get("seed", 1))
+
+
+def describe(traffic: tuple) -> str:
+    model, card, skew, rate, phases, num, seed = traffic
+    load = ("phases " + ",".join(f"{p:g}:{n}" for p, n in phases)) if phases else f"{rate:g} req/s x {num}"
+    return (f"{card:g} GB, {'Qwen3-30B-A3B' if model == 'q3' else 'Qwen1.5-MoE'}, "
+            f"{'skewed' if skew else 'uniform'}, {load}" + (f", seed {seed}" if seed != 1 else ""))
+
+
+def done(r: dict) -> bool:
+    return "output_throughput" in r.get("bench", {})
+
+
+def stopped_rate(r: dict) -> tuple[float | None, str]:
+    """A stopped run's output rate and where it comes from: the pool modes' pass record
+    (every token, the decodes their mixed prefill passes carry included), else SGLang's
+    decode log (complete for a server that does not mix decodes into prefill passes)."""
+    pt = r.get("pass_tokens") or {}
+    if pt.get("tok_s"):
+        return pt["tok_s"], "pass record"
+    return r.get("log", {}).get("gen_tok_s_mean"), "decode log"
+
+
+def tput_ratio(a: dict, b: dict) -> tuple[float | None, str]:
+    """a's output throughput over b's: bench_serving's if both finished, else each side's
+    stopped_rate (``~``, its sources named), else None."""
+    if done(a) and done(b):
+        return a["bench"]["output_throughput"] / b["bench"]["output_throughput"], ""
+    (x, xs), (y, ys) = stopped_rate(a), stopped_rate(b)
+    return (x / y, f"~ ({xs} / {ys}) ") if x and y else (None, "")
+
+
+def fmt(x: float | None, approx: str) -> str:
+    return "-" if x is None else (f"~{x:.2f}x{approx[1:].rstrip()}" if approx else f"{x:.2f}x")
+
+
+def tput(r: dict) -> float:
+    """For picking the best of several baseline runs: bench_serving's, else the decode log's."""
+    return r["bench"]["output_throughput"] if done(r) else (r.get("log", {}).get("gen_tok_s_mean") or 0.0)
+
+
+def ceiling_over(base: dict, step_ms: float, lens: Path) -> float | None:
+    """The most any server could serve on ``base``'s traffic, over ``base``'s throughput."""
+    if not done(base):
+        return None
+    f = floor_of_run(base, step_ms, lens)
+    return f.ceiling_tok_s / base["bench"]["output_throughput"] if f else None
+
+
+def light_load(base: dict, cap: float | None, need: float) -> str | None:
+    """Why the under-load targets (throughput, TTFT, running against plain) do not apply to
+    this traffic, or None where they do: the traffic's ceiling over plain is under the
+    throughput target (the arrivals, not the server, set the duration), or, where the ceiling
+    is unknown (another sample), plain never had more requests waiting than running."""
+    if cap is not None and cap < need:
+        return f"light load: the traffic allows at most {cap:.2f}x"
+    return never_queued(base) if cap is None else None
+
+
+def never_queued(base: dict) -> str | None:
+    """Why TTFT and running against plain do not apply (None where they do): plain never
+    had more requests waiting than running, so there was no queue for a larger KV to cut."""
+    q, running = base.get("log", {}).get("peak_queued"), base.get("log", {}).get("peak_running")
+    if q is not None and running and q <= running:
+        return f"light load: plain's queue peaked at {q}, its running at {running}"
+    return None
+
+
+def offload_elsewhere(by_traffic: dict, traffic: tuple) -> list[dict]:
+    """SGLang's --cpu-offload-gb runs of the same model and card on other traffic: it copies
+    its offloaded layers whole every forward, whatever the routing (91 tok/s skewed, ~97
+    uniform at 24 GB), so where no anchor ran on this traffic, that one stands in (flagged)."""
+    if traffic[4]:  # phased: its idle light phases are in any rate a stopped run's record gives
+        return []
+    return [r for other, systems in by_traffic.items() if other[:2] == traffic[:2] and not other[4]
+            for r in systems.get("offload", [])]
+
+
+class Table:
+    def __init__(self):
+        self.lines = ["| target | traffic | runs | measured | verdict |", "|---|---|---|---|---|"]
+        self.seen: set[str] = set()
+
+    def add(self, target: str, traffic: str, runs: str, measured: str, verdict: str) -> None:
+        self.seen.add(target)
+        self.lines.append(f"| {target} | {traffic} | {runs} | {measured} | {verdict} |")
+
+    def missing(self, target: str) -> None:
+        if target not in self.seen:
+            self.add(target, "-", "-", "no pair among these runs", "not measured")
+
+
+def verdict(value: float | None, threshold: float, higher: bool, cap: float | None = None) -> str:
+    if value is None:
+        return "no figure"
+    if (value >= threshold) if higher else (value <= threshold):
+        return "**met**"
+    if cap is not None and higher and cap < threshold:
+        return f"not met; the traffic allows at most {cap:.2f}x"
+    return "not met"
+
+
+def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: Path = LENS) -> str:
+    by_traffic: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in results:
+        if system_of(r):
+            by_traffic[traffic_of(r)][system_of(r)].append(r)
+    t = Table()
+    PLAIN_TPUT, PLAIN_TTFT, PLAIN_RUN = ("32 GB Qwen1.5: throughput >= 1.3x plain (skewed), 1.15x (uniform)",
+                                         "32 GB Qwen1.5: TTFT median <= 0.6x plain",
+                                         "32 GB Qwen1.5: peak running >= 2x plain")
+    LIGHT, FLOOR = "1 req/s: TPOT within 5 % of plain", "at no rate below 0.97x plain"
+    OFF24, OFF_Q3 = ("24 GB Qwen1.5: >= 5x the best --cpu-offload-gb",
+                     "32 GB Qwen3: >= 2x (uniform) / 3x (skewed) the best --cpu-offload-gb")
+    STATIC = "elastic >= 1.3x the best static budget"
+    for traffic, systems in sorted(by_traffic.items(), key=lambda kv: str(kv[0])):
+        model, card, skew, rate = traffic[:4]
+        where = describe(traffic)
+        for el in systems.get("elastic", []):
+            if systems.get("off"):
+                base = max(systems["off"], key=tput)
+                pair = f"{el['name']} / {base['name']}"
+                x, approx = tput_ratio(el, base)
+                cap = ceiling_over(base, step_ms, lens)
+                need = 1.3 if skew else 1.15
+                light, no_queue = light_load(base, cap, need), never_queued(base)
+                if model == "q15" and card == 32:
+                    t.add(PLAIN_TPUT, where, pair, fmt(x, approx),
+                          light or verdict(x, need, True, cap))
+                    if done(el) and done(base):
+                        ttft = el["bench"]["median_ttft_ms"] / base["bench"]["median_ttft_ms"]
+                        t.add(PLAIN_TTFT, where, pair, f"{ttft:.2f}x", no_queue or verdict(ttft, 0.6, False))
+                    running = el["log"]["peak_running"] / max(1, base["log"]["peak_running"])
+                    t.add(PLAIN_RUN, where, pair, f"{running:.2f}x", no_queue or verdict(running, 2.0, True))
+                if rate == 1 and done(el) and done(base):
+                    tpot = el["bench"]["median_tpot_ms"] / base["bench"]["median_tpot_ms"]
+                    t.add(LIGHT, where, pair, f"TPOT {tpot:.2f}x", verdict(tpot, 1.05, False))
+                t.add(FLOOR, where, pair, fmt(x, approx), verdict(x, 0.97, True))
+            offload = systems.get("offload") or offload_elsewhere(by_traffic, traffic)
+            if offload and ((model == "q15" and card == 24) or (model == "q3" and card == 32)):
+                base = max(offload, key=tput)
+                x, approx = tput_ratio(el, base)
+                need = 5.0 if model == "q15" else (3.0 if skew else 2.0)
+                other = "" if systems.get("offload") else f" (anchor on {describe(traffic_of(base))})"
+                t.add(OFF24 if model == "q15" else OFF_Q3, where, f"{el['name']} / {base['name']}{other}",
+                      fmt(x, approx), verdict(x, need, True))
+            if systems.get("static"):
+                # plain SGLang is the static budget that keeps every expert (static mode's own
+                # such layout runs SGLang's MoE, within 1 % of it), so it is one of the budgets
+                budgets = systems["static"] + systems.get("off", [])
+                base = max(budgets, key=tput)
+                x, approx = tput_ratio(el, base)
+                cap = ceiling_over(base, step_ms, lens)
+                plain = ", plain as every expert resident" if systems.get("off") else ""
+                t.add(STATIC, where, f"{el['name']} / {base['name']} (best of {len(budgets)}{plain})",
+                      fmt(x, approx), verdict(x, 1.3, True, cap))
+    for target in (PLAIN_TPUT, PLAIN_TTFT, PLAIN_RUN, LIGHT, FLOOR, OFF24, OFF_Q3, STATIC):
+        t.missing(target)
+    over = [r["name"] for r in results
+            if r["card_gib"] > 0 and max(r.get("peak_process_mib", 0), r.get("peak_gpu_mib") or 0) > r["card_gib"] * 1024]
+    lines = t.lines + ["", "- peak GPU memory within the card: " + (
+        "every run" if not over else "**over the card**: " + ", ".join(over))]
+    digests: dict[str, list[str]] = defaultdict(list)
+    for r in results:
+        digests[r.get("code_digest") or "unknown (run before code_digest.py)"].append(r["name"])
+    lines.append("- server code (code_digest.py): " + ("one digest, " if len(digests) == 1 else
+                                                        f"**{len(digests)} digests**: ")
+                 + "; ".join(f"`{d}`: {', '.join(names)}" for d, names in digests.items()))
+    return "\n".join(lines)
