@@ -30,7 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from makespan import FASTEST_STEP_MS, LENS, floor, floor_of_run
-from targets import targets_table
+from targets import over_card, stopped_rate, targets_table
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -50,18 +50,17 @@ def row(r: dict) -> str:
         " (cut)" if r.get("cut") else " (stopped)" if r.get("stopped_at_budget") else "")
     # the card emulation's check (the process's peak against the card), said in the row;
     # "capped": torch's allocator was held to the card (run_one.py --card-cap)
-    peak = max(r["peak_process_mib"], r.get("peak_gpu_mib") or 0)
-    over = r["card_gib"] > 0 and peak > r["card_gib"] * 1024
-    mem = (f"{r['peak_process_mib'] / 1024:.1f} / {r['card_gib']:.0f}" + (" **over the card**" if over else "")
+    mem = (f"{r['peak_process_mib'] / 1024:.1f} / {r['card_gib']:.0f}" + (" **over the card**" if over_card(r) else "")
            + (" (capped)" if r.get("card_cap") else ""))
     host = f"{r['peak_host_rss_mib'] / 1024:.1f}" if "peak_host_rss_mib" in r else "-"
     moves = f"{tr.get('evicted', 0)} / {tr.get('restored', 0)}" if tr else "-"
     # a run stopped at its budget has no bench_serving summary: the elastic step record's
     # passes (every token, prefill passes carrying decodes included), else SGLang's decode log
-    pt = r.get("pass_tokens")
-    tput = (f"{b['output_throughput']:.0f}" if "output_throughput" in b
-            else f"~{pt['tok_s']:.0f} (pass record)" if pt and pt.get("tok_s")
-            else f"~{lg.get('gen_tok_s_mean', 0):.0f} (decode log)")
+    if "output_throughput" in b:
+        tput = f"{b['output_throughput']:.0f}"
+    else:
+        rate, source = stopped_rate(r)
+        tput = f"~{rate or 0:.0f} ({source})"
     return (f"| {r['name']} | {r['card_gib']:.0f} GB | {done} | {b.get('duration', 0):.1f} | "
             f"{tput} | {b.get('median_ttft_ms', 0) / 1e3:.2f} / "
             f"{b.get('p99_ttft_ms', 0) / 1e3:.2f} | {b.get('median_tpot_ms', 0):.2f} / {b.get('p99_tpot_ms', 0):.2f} | "

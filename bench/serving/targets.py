@@ -54,6 +54,12 @@ def describe(traffic: tuple) -> str:
             f"{'skewed' if skew else 'uniform'}, {load}" + (f", seed {seed}" if seed != 1 else ""))
 
 
+def over_card(r: dict) -> bool:
+    """The card emulation's check: the process's (or the GPU's) peak above the emulated card."""
+    peak = max(r.get("peak_process_mib", 0), r.get("peak_gpu_mib") or 0)
+    return r["card_gib"] > 0 and peak > r["card_gib"] * 1024
+
+
 def done(r: dict) -> bool:
     return "output_throughput" in r.get("bench", {})
 
@@ -69,21 +75,23 @@ def stopped_rate(r: dict) -> tuple[float | None, str]:
 
 
 def tput_ratio(a: dict, b: dict) -> tuple[float | None, str]:
-    """a's output throughput over b's: bench_serving's if both finished, else each side's
-    stopped_rate (``~``, its sources named), else None."""
+    """a's output throughput over b's, and where the two rates come from: bench_serving's if
+    both finished (``""``), else each side's stopped_rate (``"pass record / decode log"``),
+    else None."""
     if done(a) and done(b):
         return a["bench"]["output_throughput"] / b["bench"]["output_throughput"], ""
     (x, xs), (y, ys) = stopped_rate(a), stopped_rate(b)
-    return (x / y, f"~ ({xs} / {ys}) ") if x and y else (None, "")
+    return (x / y, f"{xs} / {ys}") if x and y else (None, "")
 
 
-def fmt(x: float | None, approx: str) -> str:
-    return "-" if x is None else (f"~{x:.2f}x{approx[1:].rstrip()}" if approx else f"{x:.2f}x")
+def fmt(x: float | None, sources: str) -> str:
+    """A ratio as the table says it: ``~`` and its sources where a side stopped at its budget."""
+    return "-" if x is None else (f"~{x:.2f}x ({sources})" if sources else f"{x:.2f}x")
 
 
 def tput(r: dict) -> float:
-    """For picking the best of several baseline runs: bench_serving's, else the decode log's."""
-    return r["bench"]["output_throughput"] if done(r) else (r.get("log", {}).get("gen_tok_s_mean") or 0.0)
+    """For picking the best of several baseline runs: bench_serving's, else stopped_rate's."""
+    return r["bench"]["output_throughput"] if done(r) else (stopped_rate(r)[0] or 0.0)
 
 
 def ceiling_over(base: dict, step_ms: float, lens: Path) -> float | None:
@@ -167,12 +175,12 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
             if systems.get("off"):
                 base = max(systems["off"], key=tput)
                 pair = f"{el['name']} / {base['name']}"
-                x, approx = tput_ratio(el, base)
+                x, sources = tput_ratio(el, base)
                 cap = ceiling_over(base, step_ms, lens)
                 need = 1.3 if skew else 1.15
                 light, no_queue = light_load(base, cap, need), never_queued(base)
                 if model == "q15" and card == 32:
-                    t.add(PLAIN_TPUT, where, pair, fmt(x, approx),
+                    t.add(PLAIN_TPUT, where, pair, fmt(x, sources),
                           light or verdict(x, need, True, cap))
                     if done(el) and done(base):
                         ttft = el["bench"]["median_ttft_ms"] / base["bench"]["median_ttft_ms"]
@@ -182,29 +190,28 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
                 if rate == 1 and done(el) and done(base):
                     tpot = el["bench"]["median_tpot_ms"] / base["bench"]["median_tpot_ms"]
                     t.add(LIGHT, where, pair, f"TPOT {tpot:.2f}x", verdict(tpot, 1.05, False))
-                t.add(FLOOR, where, pair, fmt(x, approx), verdict(x, 0.97, True))
+                t.add(FLOOR, where, pair, fmt(x, sources), verdict(x, 0.97, True))
             offload = systems.get("offload") or offload_elsewhere(by_traffic, traffic)
             if offload and ((model == "q15" and card == 24) or (model == "q3" and card == 32)):
                 base = max(offload, key=tput)
-                x, approx = tput_ratio(el, base)
+                x, sources = tput_ratio(el, base)
                 need = 5.0 if model == "q15" else (3.0 if skew else 2.0)
                 other = "" if systems.get("offload") else f" (anchor on {describe(traffic_of(base))})"
                 t.add(OFF24 if model == "q15" else OFF_Q3, where, f"{el['name']} / {base['name']}{other}",
-                      fmt(x, approx), verdict(x, need, True))
+                      fmt(x, sources), verdict(x, need, True))
             if systems.get("static"):
                 # plain SGLang is the static budget that keeps every expert (static mode's own
                 # such layout runs SGLang's MoE, within 1 % of it), so it is one of the budgets
                 budgets = systems["static"] + systems.get("off", [])
                 base = max(budgets, key=tput)
-                x, approx = tput_ratio(el, base)
+                x, sources = tput_ratio(el, base)
                 cap = ceiling_over(base, step_ms, lens)
                 plain = ", plain as every expert resident" if systems.get("off") else ""
                 t.add(STATIC, where, f"{el['name']} / {base['name']} (best of {len(budgets)}{plain})",
-                      fmt(x, approx), verdict(x, 1.3, True, cap))
+                      fmt(x, sources), verdict(x, 1.3, True, cap))
     for target in (PLAIN_TPUT, PLAIN_TTFT, PLAIN_RUN, LIGHT, FLOOR, OFF24, OFF_Q3, STATIC):
         t.missing(target)
-    over = [r["name"] for r in results
-            if r["card_gib"] > 0 and max(r.get("peak_process_mib", 0), r.get("peak_gpu_mib") or 0) > r["card_gib"] * 1024]
+    over = [r["name"] for r in results if over_card(r)]
     lines = t.lines + ["", "- peak GPU memory within the card: " + (
         "every run" if not over else "**over the card**: " + ", ".join(over))]
     digests: dict[str, list[str]] = defaultdict(list)
