@@ -9,12 +9,21 @@ The digest covers what the server imports or reads: ``sglang_rimuru/``, ``kernel
 a commit that only changes a benchmark script or RESULTS keeps the digest. ``run_one.py``
 writes it into every run's JSON; ``--commit REV`` computes it for a commit of this
 repository (from git's objects, no checkout), so a digest can be matched to commits.
+
+Runs from before this script carry no digest; ``run_digest`` recovers one, marked as
+recovered, from what the run's folder or name says about the commit the device call copied:
+a ``CODE_DIGEST.json`` beside the runs (``{"commit": REV, "why": ...}``, written after the
+session from its notes), else a ``_<7 hex>`` commit tag at the end of the file name (how the
+early sessions named their runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
+import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -47,6 +56,7 @@ def tree_digest(root: Path = ROOT) -> str:
     return digest_of(files)
 
 
+@functools.lru_cache(maxsize=None)  # report.py asks once per run, often of one commit
 def commit_digest(rev: str, root: Path = ROOT) -> str:
     """The digest of commit ``rev``'s code, read from git's objects."""
     listing = subprocess.run(["git", "-C", str(root), "ls-tree", "-r", "--name-only", rev, "--", *CODE_DIRS],
@@ -54,6 +64,27 @@ def commit_digest(rev: str, root: Path = ROOT) -> str:
     files = {p: subprocess.run(["git", "-C", str(root), "show", f"{rev}:{p}"], capture_output=True,
                                check=True).stdout for p in listing if _counts(p)}
     return digest_of(files)
+
+
+COMMIT_TAG = re.compile(r"_([0-9a-f]{7,40})$")
+
+
+def run_digest(path: Path, run: dict, root: Path = ROOT) -> tuple[str | None, str]:
+    """The server code a run's JSON at ``path`` ran, and how that is known: ``"run"`` (the
+    run wrote it), ``"recovered from CODE_DIGEST.json"`` or ``"recovered from the name's
+    commit"``; ``(None, "")`` where nothing says."""
+    if run.get("code_digest"):
+        return run["code_digest"], "run"
+    sidecar = path.parent / "CODE_DIGEST.json"
+    if sidecar.exists():
+        return commit_digest(json.loads(sidecar.read_text())["commit"], root), "recovered from CODE_DIGEST.json"
+    m = COMMIT_TAG.search(path.stem)
+    if m:
+        try:
+            return commit_digest(m.group(1), root), "recovered from the name's commit"
+        except subprocess.CalledProcessError:  # a tag that is no commit of this repository
+            pass
+    return None, ""
 
 
 def main() -> None:

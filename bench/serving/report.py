@@ -29,16 +29,22 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from code_digest import run_digest
 from makespan import FASTEST_STEP_MS, LENS, floor, floor_of_run
 from targets import over_card, stopped_rate, targets_table
 
 
 def load(paths: list[str]) -> list[dict]:
-    """The runs' JSON, each with ``_dir``: where its side files (a phase's details) lie."""
+    """The runs' JSON, each with ``_dir``: where its side files (a phase's details) lie, and
+    the server code it ran where the run predates its ``code_digest`` (code_digest.run_digest:
+    ``code_digest_source`` says how it was recovered)."""
     runs = []
     for p in paths:
         r = json.loads(Path(p).read_text())
         r["_dir"] = str(Path(p).resolve().parent)
+        digest, source = run_digest(Path(p).resolve(), r)
+        if digest and source != "run":
+            r["code_digest"], r["code_digest_source"] = digest, source
         runs.append(r)
     return runs
 

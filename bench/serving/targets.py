@@ -14,7 +14,9 @@ the traffic allows (``makespan.py``: no server beats the traffic's floor), where
 traffic is the lens file's. A target with no pair among the runs is listed as not measured.
 
 The last lines say which server code each run ran (``code_digest.py``): the issue wants
-its tables from runs at one commit, which one digest across the runs shows.
+its tables from runs at one commit, which one digest across the runs shows. A run from
+before the digest existed shows the digest of the commit its folder or name records
+(``code_digest.run_digest``), marked ``*``.
 """
 
 from __future__ import annotations
@@ -216,8 +218,14 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
         "every run" if not over else "**over the card**: " + ", ".join(over))]
     digests: dict[str, list[str]] = defaultdict(list)
     for r in results:
-        digests[r.get("code_digest") or "unknown (run before code_digest.py)"].append(r["name"])
+        # "*": a run from before code_digest.py, its digest recovered from the commit its
+        # folder or name records (code_digest.run_digest), not written by the run
+        digests[r.get("code_digest") or "unknown (run before code_digest.py)"].append(
+            r["name"] + ("*" if r.get("code_digest_source") else ""))
     lines.append("- server code (code_digest.py): " + ("one digest, " if len(digests) == 1 else
                                                         f"**{len(digests)} digests**: ")
                  + "; ".join(f"`{d}`: {', '.join(names)}" for d, names in digests.items()))
+    if any(r.get("code_digest_source") for r in results):
+        lines.append("- `*`: the run predates code_digest.py; its digest is that of the commit its folder's "
+                     "CODE_DIGEST.json or its name's `_<commit>` tag records")
     return "\n".join(lines)

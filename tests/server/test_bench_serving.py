@@ -532,3 +532,32 @@ def test_phased_traffic_on_cpu(tmp_path, model_dir):
     assert "| phased_cpu | 0 GB | 9/9 |" in rep.stdout
     assert "| phased_cpu | 2 | 8 | 6/6 |" in rep.stdout
     assert "- (phased traffic)" in rep.stdout
+
+
+def test_a_run_from_before_the_digest_gets_its_commits_marked_as_recovered(tmp_path):
+    """A run JSON without ``code_digest`` takes the digest of the commit its folder's
+    CODE_DIGEST.json names, else of its name's ``_<commit>`` tag, marked as recovered (``*``
+    in the targets' digest line); a run's own digest wins; a tag that is no commit says
+    nothing."""
+    cd, report = _serving_module("code_digest"), _serving_module("report")
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    want = cd.commit_digest("HEAD", ROOT)
+    tagged, own, bogus = tmp_path / f"elastic32_{head}.json", tmp_path / "off32.json", tmp_path / "x_0000000.json"
+    assert cd.run_digest(tagged, {}) == (want, "recovered from the name's commit")
+    assert cd.run_digest(own, {"code_digest": "aaaaaaaaaaaa"}) == ("aaaaaaaaaaaa", "run")
+    assert cd.run_digest(own, {}) == (None, "")
+    assert cd.run_digest(bogus, {}) == (None, "")
+    sub = tmp_path / "session"
+    sub.mkdir()
+    (sub / "CODE_DIGEST.json").write_text(json.dumps({"commit": "HEAD", "why": "test"}))
+    assert cd.run_digest(sub / "off32.json", {}) == (want, "recovered from CODE_DIGEST.json")
+    for path, digest in ((sub / "off32.json", None), (sub / "elastic32.json", "aaaaaaaaaaaa")):
+        r = _run(path.stem, 32, 1000.0, digest=digest)
+        path.write_text(json.dumps(r))
+    runs = report.load([str(sub / "off32.json"), str(sub / "elastic32.json")])
+    assert [(r["code_digest"], r.get("code_digest_source")) for r in runs] == [
+        (want, "recovered from CODE_DIGEST.json"), ("aaaaaaaaaaaa", None)]
+    table = _serving_module("targets").targets_table(runs, 3.75, tmp_path / "missing.json")
+    assert f"**2 digests**: `{want}`: off32*; `aaaaaaaaaaaa`: elastic32" in table
+    assert "- `*`: the run predates code_digest.py" in table
