@@ -133,6 +133,13 @@ def offload_elsewhere(by_traffic: dict, traffic: tuple) -> list[dict]:
             for r in systems.get("offload", [])]
 
 
+def pair_of(a: dict, b: dict) -> str:
+    """``a / b``, flagged where the two ran different server code (both digests known): a
+    table at one commit has no such pair."""
+    da, db = a.get("code_digest"), b.get("code_digest")
+    return f"{a['name']} / {b['name']}" + (" (two server codes)" if da and db and da != db else "")
+
+
 class Table:
     def __init__(self):
         self.lines = ["| target | traffic | runs | measured | verdict |", "|---|---|---|---|---|"]
@@ -176,7 +183,7 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
         for el in systems.get("elastic", []):
             if systems.get("off"):
                 base = max(systems["off"], key=tput)
-                pair = f"{el['name']} / {base['name']}"
+                pair = pair_of(el, base)
                 x, sources = tput_ratio(el, base)
                 cap = ceiling_over(base, step_ms, lens)
                 need = 1.3 if skew else 1.15
@@ -199,7 +206,7 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
                 x, sources = tput_ratio(el, base)
                 need = 5.0 if model == "q15" else (3.0 if skew else 2.0)
                 other = "" if systems.get("offload") else f" (anchor on {describe(traffic_of(base))})"
-                t.add(OFF24 if model == "q15" else OFF_Q3, where, f"{el['name']} / {base['name']}{other}",
+                t.add(OFF24 if model == "q15" else OFF_Q3, where, f"{pair_of(el, base)}{other}",
                       fmt(x, sources), verdict(x, need, True))
             if systems.get("static"):
                 # plain SGLang is the static budget that keeps every expert (static mode's own
@@ -209,7 +216,7 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
                 x, sources = tput_ratio(el, base)
                 cap = ceiling_over(base, step_ms, lens)
                 plain = ", plain as every expert resident" if systems.get("off") else ""
-                t.add(STATIC, where, f"{el['name']} / {base['name']} (best of {len(budgets)}{plain})",
+                t.add(STATIC, where, f"{pair_of(el, base)} (best of {len(budgets)}{plain})",
                       fmt(x, sources), verdict(x, 1.3, True, cap))
     for target in (PLAIN_TPUT, PLAIN_TTFT, PLAIN_RUN, LIGHT, FLOOR, OFF24, OFF_Q3, STATIC):
         t.missing(target)

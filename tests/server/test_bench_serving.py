@@ -561,3 +561,14 @@ def test_a_run_from_before_the_digest_gets_its_commits_marked_as_recovered(tmp_p
     table = _serving_module("targets").targets_table(runs, 3.75, tmp_path / "missing.json")
     assert f"**2 digests**: `{want}`: off32*; `aaaaaaaaaaaa`: elastic32" in table
     assert "- `*`: the run predates code_digest.py" in table
+
+
+def test_a_pair_across_two_server_codes_is_flagged():
+    """A pair whose runs ran different server code (both digests known) says so in its row;
+    one digest, or an unknown one, does not."""
+    targets = _serving_module("targets")
+    rs = [_run("off32", 32, 1000.0, digest="aaaaaaaaaaaa"), _run("elastic32", 32, 1050.0, digest="bbbbbbbbbbbb"),
+          _run("off32-skew", 32, 1000.0, skew=1, digest="aaaaaaaaaaaa"), _run("elastic32-skew", 32, 1030.0, skew=1)]
+    table = targets.targets_table(rs, 3.75, Path("/nonexistent/lens.json"))
+    pairs = {_cells(r)[2] for r in _rows(table, "at no rate below 0.97x plain")}
+    assert pairs == {"elastic32 / off32 (two server codes)", "elastic32-skew / off32-skew"}
