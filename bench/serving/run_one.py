@@ -274,10 +274,49 @@ def trace_summary(path: Path) -> dict | None:
     }
 
 
-def run_traffic(args, phases, datasets, port: str, out: Path, t0: float, results: list, bench_logs: list) -> bool:
+#: what bench_serving prints after its warmup request, one second (its sleep) before its traffic
+MAIN_RUN = "Starting main benchmark run"
+
+
+def bench_serving(cmd: list[str], timeout: float, began: list) -> tuple[str, str]:
+    """Runs bench_serving's ``cmd`` to its end or ``timeout`` (then ``TimeoutExpired``, the
+    child killed, as ``subprocess.run`` does); returns its stdout and stderr. Appends to
+    ``began`` the wall time its requests began, read from its ``MAIN_RUN`` line as it is
+    printed: it spends ~25 s loading its tokenizer and data and on a warmup request first,
+    and a rate taken from its launch counts that as serving time."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # each line as printed
+    out_lines: list[str] = []
+    err_lines: list[str] = []
+
+    def read_out() -> None:
+        for line in proc.stdout:
+            if MAIN_RUN in line and not began:
+                began.append(time.time() + 1.0)
+            out_lines.append(line)
+
+    readers = [threading.Thread(target=read_out, daemon=True),
+               threading.Thread(target=lambda: err_lines.extend(proc.stderr), daemon=True)]
+    for t in readers:
+        t.start()
+    try:
+        proc.wait(timeout=timeout)
+    finally:  # the budget, or the call's SIGTERM (_Cut): bench_serving must not outlive it
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for t in readers:
+            t.join(timeout=5)
+    return "".join(out_lines), "".join(err_lines)
+
+
+def run_traffic(args, phases, datasets, port: str, out: Path, t0: float, results: list, bench_logs: list,
+                began: list | None = None) -> bool:
     """bench_serving once per phase against the server on ``port``, within ``--budget-s`` of
-    ``t0``; appends each phase's summary to ``results`` and its output to ``bench_logs``.
-    Returns whether the budget stopped the traffic."""
+    ``t0``; appends each phase's summary to ``results`` and its output to ``bench_logs``, and
+    to ``began`` the wall time the first phase's requests began. Returns whether the budget
+    stopped the traffic."""
+    began = [] if began is None else began
     stopped = False
     for i, ((rate, num), data) in enumerate(zip(phases, datasets)):
         bench_out = out / (f"{args.name}_bench.jsonl" if not args.phases else f"{args.name}_bench_phase{i + 1}.jsonl")
@@ -291,8 +330,8 @@ def run_traffic(args, phases, datasets, port: str, out: Path, t0: float, results
         try:
             if left <= 0:
                 raise subprocess.TimeoutExpired(cmd, 0)
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
-            bench_logs.append(proc.stdout[-3000:] + proc.stderr[-2000:])
+            stdout, stderr = bench_serving(cmd, left, began)
+            bench_logs.append(stdout[-3000:] + stderr[-2000:])
         except subprocess.TimeoutExpired:
             stopped = True
             bench_logs.append(f"stopped after {args.budget_s} s")
@@ -375,13 +414,13 @@ def main() -> None:
     ready_s = time.time() - t_launch
     port = srv.url.rsplit(":", 1)[1]
     t0 = time.time()
-    results, bench_logs = [], []
+    results, bench_logs, began = [], [], []  # began: when bench_serving's first requests went out
     cut = False
     # A device call's `timeout` may end the run before its budget (a slow start); the numbers
     # the server has logged so far are still written, marked "cut"
     signal.signal(signal.SIGTERM, _cut)
     try:
-        stopped = run_traffic(args, phases, datasets, port, out, t0, results, bench_logs)
+        stopped = run_traffic(args, phases, datasets, port, out, t0, results, bench_logs, began)
     except _Cut:
         stopped = cut = True
         if len(results) < len(phases):
@@ -413,7 +452,9 @@ def main() -> None:
         "card_mib": args.card_gb * 1024, "gpu_mem_series": sampler.samples[::4],
         "trace": trace_summary(trace),
         "steps": step_summary(steps_path),
-        "pass_tokens": pass_tokens(steps_path, t0),
+        # from the first request (bench_serving's own start is no serving time), else from t0
+        "traffic_began_s": round(began[0] - t0, 1) if began else None,
+        "pass_tokens": pass_tokens(steps_path, began[0] if began else t0),
         "pass_memory": pass_memory(steps_path),
         "card_cap_log": card_cap_log(log),
         "tracebacks": log.count("Traceback"),

@@ -72,6 +72,10 @@ def test_run_one_and_report_on_cpu(tmp_path, model_dir):
     # the server code it ran (the device has no .git: the digest names it), and the model
     assert res["code_digest"] == _serving_module("code_digest").tree_digest(ROOT)
     assert res["model"] == Path(model).name
+    # SGLang's bench_serving still prints the line its traffic's start is read from, and the
+    # pass record counts from there, not from bench_serving's launch
+    assert 0 < res["traffic_began_s"] < res["traffic_s"]
+    assert res["pass_tokens"]["seconds"] <= res["traffic_s"] - res["traffic_began_s"] + 1
 
     rep = subprocess.run([sys.executable, str(ROOT / "bench/serving/report.py"), str(out / "elastic_cpu.json"),
                           "--baseline", "elastic_cpu"], capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -417,6 +421,28 @@ def test_a_stopped_run_counts_its_tokens_from_the_pass_record(tmp_path):
     assert run_one.pass_tokens(tmp_path / "missing.steps.jsonl", t_from=0.0) is None
 
 
+def test_the_traffic_begins_when_bench_serving_says_so_not_at_its_launch():
+    """run_one's bench_serving: the first requests go out one second (bench_serving's sleep)
+    after it prints that its main run starts, read as the line is printed (the child's
+    stdout unbuffered), not when the process starts or ends; past the timeout the child is
+    killed and the start it printed is kept (a stopped run's pass record needs it)."""
+    run_one = _serving_module("run_one")
+    script = ("import time; time.sleep(1.5); "
+              f"print('Warmup completed with 1 sequences. {run_one.MAIN_RUN}...'); time.sleep(%s); print('done')")
+    began: list = []
+    launched = time.time()
+    out, err = run_one.bench_serving([sys.executable, "-c", script % "1.0"], 60, began)
+    ended = time.time()
+    assert out.endswith("done\n") and err == ""
+    assert len(began) == 1 and launched + 2.5 <= began[0] <= ended  # 1.5 s + its 1 s sleep
+    began.clear()
+    launched = time.time()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_one.bench_serving([sys.executable, "-c", script % "60"], 4, began)
+    assert time.time() - launched < 15  # killed at its timeout, not left to run its 60 s
+    assert len(began) == 1 and launched + 2.5 <= began[0] <= launched + 6
+
+
 def test_pass_memory_sums_the_allocator_rows_by_pass_kind(tmp_path):
     """run_one's pass_memory: per kind the largest batch and the highest peak with its
     batch; reserved after the last pass and at most; None without rows or a record."""
@@ -478,7 +504,7 @@ def test_a_run_cut_by_its_calls_time_still_writes_what_it_measured(tmp_path, mon
         Path(log_path).write_text(CAP_LOG)
         return FakeServer()
 
-    def traffic(args, phases, datasets, port, out, t0, results, bench_logs):
+    def traffic(args, phases, datasets, port, out, t0, results, bench_logs, began=None):
         os.kill(os.getpid(), signal.SIGTERM)  # what `timeout` sends
         time.sleep(5)
         raise AssertionError("SIGTERM did not stop the traffic")
