@@ -11,7 +11,9 @@ shape. Against several runs of one baseline system on a traffic, the best of the
 bench_serving's; where either side of a pair stopped at its budget, both sides' SGLang
 decode-log means instead, marked ``~``. A throughput target below its threshold says what
 the traffic allows (``makespan.py``: no server beats the traffic's floor), where the baseline's
-traffic is the lens file's. A target with no pair among the runs is listed as not measured.
+traffic is the lens file's. A target with no pair among the runs is listed as not measured. Where a traffic has an
+``elastic32copy`` run (the adjuster copying experts into load buffers), the ablation row sets
+static (pool only), it (+ adjuster) and elastic (+ paged kernel) side by side against plain.
 
 The last lines say which server code each run ran (``code_digest.py``): the issue wants
 its tables from runs at one commit, which one digest across the runs shows. A run from
@@ -39,8 +41,13 @@ def model_of(r: dict) -> str:
 
 
 def system_of(r: dict) -> str | None:
+    """The system a run's name says; ``elastic_copy`` for the ablation's middle step (h200.sh's
+    ``elastic32copy``: the adjuster with offloaded experts copied into load buffers, no paged
+    reads, no graphs), which is not elastic mode as shipped and so pairs with no target."""
     m = SYSTEM.match(r["name"])
-    return m.group("system") if m else None
+    if not m:
+        return None
+    return "elastic_copy" if m.group("system") == "elastic" and "copy" in r["name"] else m.group("system")
 
 
 def traffic_of(r: dict) -> tuple:
@@ -177,6 +184,7 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
     OFF24, OFF_Q3 = ("24 GB Qwen1.5: >= 5x the best --cpu-offload-gb",
                      "32 GB Qwen3: >= 2x (uniform) / 3x (skewed) the best --cpu-offload-gb")
     STATIC = "elastic >= 1.3x the best static budget"
+    ABLATION = "ablation: pool only, + adjuster, + paged kernel"
     for traffic, systems in sorted(by_traffic.items(), key=lambda kv: str(kv[0])):
         model, card, skew, rate = traffic[:4]
         where = describe(traffic)
@@ -218,7 +226,23 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
                 plain = ", plain as every expert resident" if systems.get("off") else ""
                 t.add(STATIC, where, f"{pair_of(el, base)} (best of {len(budgets)}{plain})",
                       fmt(x, sources), verdict(x, 1.3, True, cap))
-    for target in (PLAIN_TPUT, PLAIN_TTFT, PLAIN_RUN, LIGHT, FLOOR, OFF24, OFF_Q3, STATIC):
+        if systems.get("elastic_copy"):
+            # the issue's ablation on one traffic: static (the pool, a fixed split), the
+            # adjuster copying offloaded experts in, elastic (+ the paged kernel's in-place
+            # reads and graphs); each against plain where it ran
+            plain = max(systems["off"], key=tput) if systems.get("off") else None
+            names, cells = [], []
+            for key, label in (("static", "pool only"), ("elastic_copy", "+ adjuster"), ("elastic", "+ paged kernel")):
+                if not systems.get(key):
+                    cells.append(f"{label}: not run")
+                    continue
+                r = max(systems[key], key=tput)
+                names.append(r["name"])
+                x, sources = tput_ratio(r, plain) if plain else (None, "")
+                cells.append(f"{label} ({r['name']}): {tput(r):.0f} tok/s" + (f", {fmt(x, sources)} plain" if plain else ""))
+            runs = " / ".join(names) + (f" against {plain['name']}" if plain else "")
+            t.add(ABLATION, where, runs, "; ".join(cells), "measured" if len(names) == 3 else "incomplete")
+    for target in (PLAIN_TPUT, PLAIN_TTFT, PLAIN_RUN, LIGHT, FLOOR, OFF24, OFF_Q3, STATIC, ABLATION):
         t.missing(target)
     over = [r["name"] for r in results if over_card(r)]
     lines = t.lines + ["", "- peak GPU memory within the card: " + (

@@ -598,3 +598,26 @@ def test_a_pair_across_two_server_codes_is_flagged():
     table = targets.targets_table(rs, 3.75, Path("/nonexistent/lens.json"))
     pairs = {_cells(r)[2] for r in _rows(table, "at no rate below 0.97x plain")}
     assert pairs == {"elastic32 / off32 (two server codes)", "elastic32-skew / off32-skew"}
+
+
+def test_the_ablation_row_names_each_step_and_the_copy_variant_pairs_with_no_target():
+    """Issue 12's ablation on one traffic: static (pool only), elastic32copy (+ adjuster,
+    stopped at its budget here: its decode log), elastic (+ paged kernel), each against plain.
+    The copy variant is not elastic mode as shipped: it makes no row of the plain targets."""
+    targets = _serving_module("targets")
+    rs = [_run("off32-skew_r20", 32, 1000.0, rate=20, skew=1, running=30, queued=200, log_rate=1000.0),
+          _run("static32-skew_r20", 32, 900.0, rate=20, skew=1),
+          _run("elastic32copy-skew_r20", 32, rate=20, skew=1, log_rate=400.0),
+          _run("elastic32-skew_r20", 32, 1450.0, rate=20, skew=1, running=70)]
+    table = targets.targets_table(rs, 3.75, Path("/nonexistent/lens.json"))
+    [row] = _rows(table, "ablation: pool only, + adjuster, + paged kernel")
+    assert _cells(row)[2:] == [
+        "static32-skew_r20 / elastic32copy-skew_r20 / elastic32-skew_r20 against off32-skew_r20",
+        "pool only (static32-skew_r20): 900 tok/s, 0.90x plain; + adjuster (elastic32copy-skew_r20): 400 tok/s, "
+        "~0.40x (decode log / decode log) plain; + paged kernel (elastic32-skew_r20): 1450 tok/s, 1.45x plain",
+        "measured"]
+    assert "elastic32copy" not in "\n".join(_rows(table, "at no rate below 0.97x plain"))
+    assert targets.system_of({"name": "elastic32copy"}) == "elastic_copy"
+    incomplete = targets.targets_table(rs[2:], 3.75, Path("/nonexistent/lens.json"))
+    [row] = _rows(incomplete, "ablation: pool only, + adjuster, + paged kernel")
+    assert _cells(row)[3].startswith("pool only: not run; ") and _cells(row)[4] == "incomplete"
