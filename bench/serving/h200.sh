@@ -56,6 +56,15 @@ PY
         2>&1 | grep -av "Warning\|warn(" | tail -4
     [ -s "$out" ] && RANKING=$out && echo "RANKING=$RANKING"
 }
+# the longest these runs can take (each server's start limit plus its budget, rank's 400 s, ~45 s
+# of setup), said up front where it passes a device call's 600 s: the call's timeout would cut
+# the last run (run_one.py keeps what it measured, marked "cut"), so split such a call
+worst=45
+for run in ${RUNS:-static32 elastic32}; do
+    case $run in rank|q3rank) worst=$(( worst + 400 )) ;; q3offload*) worst=$(( worst + BUDGET + ${START_S:-420} )) ;;
+    *) worst=$(( worst + BUDGET + ${START_S:-200} )) ;; esac
+done
+[ "$worst" -gt 600 ] && echo "h200.sh: these runs may take up to $worst s, past a device call's 600 s"
 for run in ${RUNS:-static32 elastic32}; do
     case $run in
     rank) rank q15 ;;
