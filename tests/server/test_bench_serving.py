@@ -73,9 +73,12 @@ def test_run_one_and_report_on_cpu(tmp_path, model_dir):
     assert res["code_digest"] == _serving_module("code_digest").tree_digest(ROOT)
     assert res["model"] == Path(model).name
     # SGLang's bench_serving still prints the line its traffic's start is read from, and the
-    # pass record counts from there, not from bench_serving's launch
+    # pass record counts from there, not from bench_serving's launch. The step record is
+    # written every 256 rounds or 20 s (patches/rimuru_patches/elastic.py), so these 12
+    # requests may end before any write after their start: then there is no pass record
     assert 0 < res["traffic_began_s"] < res["traffic_s"]
-    assert res["pass_tokens"]["seconds"] <= res["traffic_s"] - res["traffic_began_s"] + 1
+    pt = res["pass_tokens"]
+    assert pt is None or pt["seconds"] <= res["traffic_s"] - res["traffic_began_s"] + 1
 
     rep = subprocess.run([sys.executable, str(ROOT / "bench/serving/report.py"), str(out / "elastic_cpu.json"),
                           "--baseline", "elastic_cpu"], capture_output=True, text=True, timeout=60, cwd=ROOT)
