@@ -20,6 +20,12 @@ CARD_CAP=${CARD_CAP:-}  # 1: torch's allocator held to the card in every server 
 # $OUT/ranking_q15_skewS.json (ranking_q3_skewS.json)
 # and points RANKING at it for the runs after it in the same call.
 RANKING=${RANKING:-}; [ -n "$RANKING" ] && RANKING=$(realpath "$RANKING")  # the server may start elsewhere
+# START_S: the server's start, before its BUDGET of traffic (q3offload runs: 342 s at 7f20a2d,
+# weights copied to pinned host memory 172 s, graph capture 112 s)
+start_limit() {  # start_limit RUN
+    case $1 in q3offload*) echo "${START_S:-420}" ;; *) echo "${START_S:-200}" ;; esac
+}
+RANK_S=400  # rank's server and its 200 prompts
 one() {  # one NAME CARD_GB MODEL -- FLAGS...
     local name=$1 card=$2 model=$3; shift 4
     [ "$SKEW" != 0 ] && name="$name-skew"
@@ -27,9 +33,7 @@ one() {  # one NAME CARD_GB MODEL -- FLAGS...
     [ -n "$PHASES" ] && name="${name}_ph"  # phased traffic: one name per system (report.py's phase table)
     [ -n "$CARD_CAP" ] && name="${name}_cap"  # torch's allocator held to the card (run_one.py --card-cap)
     case " $* " in *" --rimuru-mode "*) [ -n "$RANKING" ] && set -- "$@" --rimuru-expert-ranking "$RANKING" ;; esac
-    # START_S: the server's start, before its BUDGET of traffic (q3offload runs: 342 s at 7f20a2d,
-    # weights copied to pinned host memory 172 s, graph capture 112 s)
-    local start=${START_S:-200}; case $name in q3offload*) start=${START_S:-420} ;; esac
+    local start; start=$(start_limit "$name")
     timeout $(( BUDGET + start )) python3 bench/serving/run_one.py --name "$name" --model /tmp/models/$model \
         --card-gb "$card" --rate "$RATE" --num-prompts "$NUM" --seed "$SEED" --out "$OUT" --budget-s "$BUDGET" --skew "$SKEW" \
         ${PHASES:+--phases "$PHASES"} ${CARD_CAP:+--card-cap} \
@@ -50,7 +54,7 @@ convs = json.load(gzip.open(".devdata/sharegpt_1000_seed1_ctx8192.json.gz"))
 print(json.dumps([c["conversations"][0]["value"] for c in convs[:200]]))
 PY
     PYTHONPATH="$PWD/bench/serving/skew:$PYTHONPATH" RIMURU_BENCH_ROUTER_SKEW=$SKEW RIMURU_BENCH_DEVICE_SITE=1 \
-        timeout 400 python3 -m sglang_rimuru.rank --model-path /tmp/models/$model --out "$out" \
+        timeout $RANK_S python3 -m sglang_rimuru.rank --model-path /tmp/models/$model --out "$out" \
         --prompts /tmp/rank_prompts.json --concurrency 32 -- --load-format dummy --mem-fraction-static $fraction \
         --chunked-prefill-size 2048 --attention-backend triton --sampling-backend pytorch --grammar-backend none \
         2>&1 | grep -av "Warning\|warn(" | tail -4
@@ -61,8 +65,7 @@ PY
 # the last run (run_one.py keeps what it measured, marked "cut"), so split such a call
 worst=45
 for run in ${RUNS:-static32 elastic32}; do
-    case $run in rank|q3rank) worst=$(( worst + 400 )) ;; q3offload*) worst=$(( worst + BUDGET + ${START_S:-420} )) ;;
-    *) worst=$(( worst + BUDGET + ${START_S:-200} )) ;; esac
+    case $run in rank|q3rank) worst=$(( worst + RANK_S )) ;; *) worst=$(( worst + BUDGET + $(start_limit "$run") )) ;; esac
 done
 [ "$worst" -gt 600 ] && echo "h200.sh: these runs may take up to $worst s, past a device call's 600 s"
 for run in ${RUNS:-static32 elastic32}; do

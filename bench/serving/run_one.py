@@ -311,12 +311,11 @@ def bench_serving(cmd: list[str], timeout: float, began: list) -> tuple[str, str
 
 
 def run_traffic(args, phases, datasets, port: str, out: Path, t0: float, results: list, bench_logs: list,
-                began: list | None = None) -> bool:
+                began: list) -> bool:
     """bench_serving once per phase against the server on ``port``, within ``--budget-s`` of
     ``t0``; appends each phase's summary to ``results`` and its output to ``bench_logs``, and
     to ``began`` the wall time the first phase's requests began. Returns whether the budget
     stopped the traffic."""
-    began = [] if began is None else began
     stopped = False
     for i, ((rate, num), data) in enumerate(zip(phases, datasets)):
         bench_out = out / (f"{args.name}_bench.jsonl" if not args.phases else f"{args.name}_bench_phase{i + 1}.jsonl")

@@ -171,6 +171,24 @@ def verdict(value: float | None, threshold: float, higher: bool, cap: float | No
     return "not met"
 
 
+def ablation(systems: dict[str, list[dict]]) -> tuple[str, str, str]:
+    """The issue's ablation on one traffic (runs, measured, verdict): static (the pool, a fixed
+    split), the adjuster copying offloaded experts in, elastic (+ the paged kernel's in-place
+    reads and graphs); each against plain where it ran."""
+    plain = max(systems["off"], key=tput) if systems.get("off") else None
+    names, cells = [], []
+    for key, label in (("static", "pool only"), ("elastic_copy", "+ adjuster"), ("elastic", "+ paged kernel")):
+        if not systems.get(key):
+            cells.append(f"{label}: not run")
+            continue
+        r = max(systems[key], key=tput)
+        names.append(r["name"])
+        x, sources = tput_ratio(r, plain) if plain else (None, "")
+        cells.append(f"{label} ({r['name']}): {tput(r):.0f} tok/s" + (f", {fmt(x, sources)} plain" if plain else ""))
+    runs = " / ".join(names) + (f" against {plain['name']}" if plain else "")
+    return runs, "; ".join(cells), "measured" if len(names) == 3 else "incomplete"
+
+
 def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: Path = LENS) -> str:
     by_traffic: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in results:
@@ -227,21 +245,7 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
                 t.add(STATIC, where, f"{pair_of(el, base)} (best of {len(budgets)}{plain})",
                       fmt(x, sources), verdict(x, 1.3, True, cap))
         if systems.get("elastic_copy"):
-            # the issue's ablation on one traffic: static (the pool, a fixed split), the
-            # adjuster copying offloaded experts in, elastic (+ the paged kernel's in-place
-            # reads and graphs); each against plain where it ran
-            plain = max(systems["off"], key=tput) if systems.get("off") else None
-            names, cells = [], []
-            for key, label in (("static", "pool only"), ("elastic_copy", "+ adjuster"), ("elastic", "+ paged kernel")):
-                if not systems.get(key):
-                    cells.append(f"{label}: not run")
-                    continue
-                r = max(systems[key], key=tput)
-                names.append(r["name"])
-                x, sources = tput_ratio(r, plain) if plain else (None, "")
-                cells.append(f"{label} ({r['name']}): {tput(r):.0f} tok/s" + (f", {fmt(x, sources)} plain" if plain else ""))
-            runs = " / ".join(names) + (f" against {plain['name']}" if plain else "")
-            t.add(ABLATION, where, runs, "; ".join(cells), "measured" if len(names) == 3 else "incomplete")
+            t.add(ABLATION, where, *ablation(systems))
     for target in (PLAIN_TPUT, PLAIN_TTFT, PLAIN_RUN, LIGHT, FLOOR, OFF24, OFF_Q3, STATIC, ABLATION):
         t.missing(target)
     over = [r["name"] for r in results if over_card(r)]
