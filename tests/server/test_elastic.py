@@ -7,7 +7,9 @@ experts to make room, up to the offload limit; once the queue is empty the
 free pages exceed the high water and the experts come back; one long request
 that runs after it keeps them (the finished requests' cached prefixes give way
 whenever nothing waits). Every request
-must finish with the same greedy ids as a plain (mode off) server; the pool
+must finish with the same greedy ids as a plain (mode off) server, up to a
+bf16 near-tie the elastic server's other batches tipped (CI saw one part at
+step 6 of 24, 2026-12-04; ``tests.conftest.TIE_LOGPROB_GAP``); the pool
 invariants are checked after every completed order inside the server
 (``SGLANG_RIMURU_CHECK_INVARIANTS=1``: a violation kills the scheduler, so
 requests would fail).  At TP=2 both ranks hold the same experts after every
@@ -27,7 +29,7 @@ import pytest
 import requests
 
 from sglang_rimuru.models import ensure_model
-from tests.conftest import generate, start_server
+from tests.conftest import assert_greedy_equal_up_to_ties, generate, generate_top2, start_server
 
 pytestmark = pytest.mark.server
 
@@ -41,6 +43,18 @@ LONG = "a long answer: " + "word " * 8
 def burst(srv) -> list[list[int]]:
     with cf.ThreadPoolExecutor(len(BURST)) as ex:
         return list(ex.map(lambda p: generate(srv, p, max_new_tokens=24)["output_ids"], BURST))
+
+
+def burst_top2(srv) -> list[dict]:
+    """The burst with each step's best two tokens (the reference for tie-tolerant comparison)."""
+    with cf.ThreadPoolExecutor(len(BURST)) as ex:
+        return list(ex.map(lambda p: generate_top2(srv, p, max_new_tokens=24), BURST))
+
+
+def assert_burst_matches(got: list[list[int]], reference: list[dict]) -> None:
+    assert len(got) == len(reference)
+    for ids, ref in zip(got, reference):
+        assert_greedy_equal_up_to_ties(ids, ref)
 
 
 def read_trace(path) -> list[dict]:
@@ -64,8 +78,8 @@ def test_burst_evicts_experts_quiet_restores_them_outputs_equal_off(tmp_path, mo
     off = start_server(["--model-path", path, "--max-total-tokens", "4096", "--context-length", "512"],
                        tmp_path / "off.log")
     try:
-        expected = burst(off)
-        expected_tail = generate(off, LONG, max_new_tokens=160)["output_ids"]
+        expected = burst_top2(off)
+        expected_tail = generate_top2(off, LONG, max_new_tokens=160)
     finally:
         off.stop()
 
@@ -82,9 +96,11 @@ def test_burst_evicts_experts_quiet_restores_them_outputs_equal_off(tmp_path, mo
     finally:
         srv.stop()
 
-    assert got == expected
-    assert again == expected
-    assert tail == expected_tail  # experts came back under it: same greedy ids
+    # the same greedy ids as plain SGLang, but for a near-tie that the elastic server's other
+    # batches (200 tokens of KV admit fewer requests at once) may tip the other way
+    assert_burst_matches(got, expected)
+    assert_burst_matches(again, expected)
+    assert_greedy_equal_up_to_ties(tail, expected_tail)  # experts came back under it
     # once every expert was back, nothing waiting never cost an expert: as the long request's
     # KV grew, the finished requests' cache gave way first (before, the tail evicted experts
     # one by one down to the offload limit; then, with the cache giving way to restores

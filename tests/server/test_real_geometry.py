@@ -15,7 +15,8 @@ the scheduler, and the requests below would fail.
 Static: half of each layer's experts offloaded. Elastic: no residency flag and
 a pool too small for every expert, so the server starts with the experts that
 fit (the rest spread over layers), a burst evicts more, and the quiet period
-brings them back. Greedy ids must equal mode off throughout.
+brings them back. Greedy ids must equal mode off throughout (up to a bf16
+near-tie another batch tipped: ``tests.conftest.TIE_LOGPROB_GAP``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import re
 import pytest
 
 from sglang_rimuru.models import ensure_model
-from tests.conftest import generate, start_server
+from tests.conftest import assert_greedy_equal_up_to_ties, generate, generate_top2, start_server
 from tests.server.test_elastic import read_trace, wait_all_resident
 
 pytestmark = pytest.mark.server
@@ -48,13 +49,24 @@ ELASTIC_POOL = {
 }
 
 
-def workload(srv) -> dict:
+def workload(srv, reference: bool = False) -> dict:
+    """The burst, then the long prompt; as a reference (mode off) each answer keeps its
+    steps' best two tokens, for ``matches``."""
+    def one(prompt, n):
+        return generate_top2(srv, prompt, n) if reference else generate(srv, prompt, max_new_tokens=n)["output_ids"]
+
     with cf.ThreadPoolExecutor(len(BURST)) as ex:
-        burst = list(ex.map(lambda p: generate(srv, p, max_new_tokens=16)["output_ids"], BURST))
-    return {
-        "long": generate(srv, LONG, max_new_tokens=8)["output_ids"],
-        "burst": burst,
-    }
+        burst = list(ex.map(lambda p: one(p, 16), BURST))
+    return {"long": one(LONG, 8), "burst": burst}
+
+
+def matches(got: dict, reference: dict) -> None:
+    """Greedy ids equal mode off's, but for a bf16 near-tie that another batch tipped
+    (a pool mode's KV budget admits the burst in other batches)."""
+    assert_greedy_equal_up_to_ties(got["long"], reference["long"])
+    assert len(got["burst"]) == len(reference["burst"])
+    for ids, ref in zip(got["burst"], reference["burst"]):
+        assert_greedy_equal_up_to_ties(ids, ref)
 
 
 @pytest.mark.parametrize("model", list(ELASTIC_POOL))
@@ -62,13 +74,13 @@ def test_pool_modes_at_real_geometry_keep_kv_ids_in_bounds(tmp_path, model_dir, 
     path = str(ensure_model(model, cache_dir=model_dir))
     off = start_server(["--model-path", path, *BASE, "--max-total-tokens", "4096"], tmp_path / "off.log")
     try:
-        expected = workload(off)
+        expected = workload(off, reference=True)
     finally:
         off.stop()
 
     static = start_server(["--model-path", path, *BASE, *STATIC], tmp_path / "static.log", env=CHECKED)
     try:
-        assert workload(static) == expected
+        matches(workload(static), expected)
         assert "Traceback" not in static.log()
     finally:
         static.stop()
@@ -85,14 +97,14 @@ def test_pool_modes_at_real_geometry_keep_kv_ids_in_bounds(tmp_path, model_dir, 
         started = re.search(r"sglang-rimuru elastic pool: .*?; (\d+) resident experts \(([\d-]+) of 8 per layer", log)
         assert started and int(started.group(1)) == at_start, log[-3000:]
         assert "in host memory, at most 4 a layer out of the pool (--rimuru-expert-offload-limit)" in log
-        assert workload(elastic) == expected
+        matches(workload(elastic), expected)
         lines = read_trace(trace)
         assert any(line["evicted"] for line in lines), lines[-3:]
         for line in lines:  # evictions spread over layers: none has two more out than another
             out = [8 - len(experts) for experts in line["resident_sets"].values()]
             assert max(out) - min(out) <= 1, line
             assert max(out) <= 4, line  # the offload limit
-        assert workload(elastic) == expected  # still serving after the split moved
+        matches(workload(elastic), expected)  # still serving after the split moved
         assert "Traceback" not in elastic.log()
     finally:
         elastic.stop()
