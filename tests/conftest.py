@@ -60,8 +60,13 @@ def model_dir(tmp_path_factory) -> Path:
     return Path(os.environ.get("SGLANG_RIMURU_CACHE", tmp_path_factory.mktemp("models")))
 
 
-def generate(server: Server, text, max_new_tokens: int = 8, **params) -> dict | list:
+def generate(server: Server, text, max_new_tokens: int = 8, *, top_logprobs: int = 0, **params) -> dict | list:
+    """A greedy ``/generate`` (``params``: more sampling parameters); with ``top_logprobs``
+    each step's best that many tokens and their log-probabilities come back too (the
+    reference ``assert_greedy_equal_up_to_ties`` needs: 2)."""
     body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True, **params}}
+    if top_logprobs:
+        body |= {"return_logprob": True, "top_logprobs_num": top_logprobs}
     resp = requests.post(server.url + "/generate", json=body, timeout=120)
     resp.raise_for_status()
     return resp.json()
@@ -76,19 +81,10 @@ def generate(server: Server, text, max_new_tokens: int = 8, **params) -> dict | 
 TIE_LOGPROB_GAP = 0.0625
 
 
-def generate_top2(server: Server, text, max_new_tokens: int = 8) -> dict:
-    """A greedy ``/generate`` that also returns each step's best two tokens and their log-probabilities."""
-    body = {"text": text, "return_logprob": True, "top_logprobs_num": 2,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
-    resp = requests.post(server.url + "/generate", json=body, timeout=120)
-    resp.raise_for_status()
-    return resp.json()
-
-
 def assert_greedy_equal_up_to_ties(got: list[int], reference: dict, gap: float = TIE_LOGPROB_GAP) -> None:
-    """``got`` equals the reference's greedy ids (a ``generate_top2`` answer), or first leaves
-    them where the reference's best two tokens lay within ``gap`` and ``got`` took the second;
-    after that the contexts differ, so nothing more is compared."""
+    """``got`` equals the reference's greedy ids (a ``generate`` answer with ``top_logprobs=2``),
+    or first leaves them where the reference's best two tokens lay within ``gap`` and ``got``
+    took the second; after that the contexts differ, so nothing more is compared."""
     want = reference["output_ids"]
     assert len(got) == len(want), (got, want)
     k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
@@ -98,6 +94,20 @@ def assert_greedy_equal_up_to_ties(got: list[int], reference: dict, gap: float =
     assert id0 == want[k] and id1 == got[k] and lp0 - lp1 <= gap, \
         f"greedy ids part at step {k}: got {got[k]}, reference {want[k]}; reference's best two " \
         f"{[(id0, round(lp0, 4)), (id1, round(lp1, 4))]} (gap allowed {gap})"
+
+
+def greedy_ids_or_reference(server: Server, text, max_new_tokens: int, reference: bool) -> list[int] | dict:
+    """A greedy request's ids; as a reference (the mode off server) its whole answer, with
+    each step's best two tokens for ``assert_greedy_equal_up_to_ties``."""
+    out = generate(server, text, max_new_tokens, top_logprobs=2 if reference else 0)
+    return out if reference else out["output_ids"]
+
+
+def assert_all_greedy_equal_up_to_ties(got: list[list[int]], references: list[dict]) -> None:
+    """``assert_greedy_equal_up_to_ties`` for each of a batch's answers, in order."""
+    assert len(got) == len(references)
+    for ids, ref in zip(got, references):
+        assert_greedy_equal_up_to_ties(ids, ref)
 
 
 def openai_completion(server: Server, prompt: str, max_tokens: int = 8) -> dict:

@@ -29,7 +29,8 @@ import pytest
 import requests
 
 from sglang_rimuru.models import ensure_model
-from tests.conftest import assert_greedy_equal_up_to_ties, generate, generate_top2, start_server
+from tests.conftest import (assert_all_greedy_equal_up_to_ties, assert_greedy_equal_up_to_ties, generate,
+                            greedy_ids_or_reference, start_server)
 
 pytestmark = pytest.mark.server
 
@@ -40,21 +41,11 @@ BURST = [f"request {i}: " + "word " * 30 for i in range(16)]
 LONG = "a long answer: " + "word " * 8
 
 
-def burst(srv) -> list[list[int]]:
+def burst(srv, reference: bool = False) -> list:
+    """The burst's greedy ids; as a reference (mode off) each whole answer, with its steps'
+    best two tokens (``assert_all_greedy_equal_up_to_ties``)."""
     with cf.ThreadPoolExecutor(len(BURST)) as ex:
-        return list(ex.map(lambda p: generate(srv, p, max_new_tokens=24)["output_ids"], BURST))
-
-
-def burst_top2(srv) -> list[dict]:
-    """The burst with each step's best two tokens (the reference for tie-tolerant comparison)."""
-    with cf.ThreadPoolExecutor(len(BURST)) as ex:
-        return list(ex.map(lambda p: generate_top2(srv, p, max_new_tokens=24), BURST))
-
-
-def assert_burst_matches(got: list[list[int]], reference: list[dict]) -> None:
-    assert len(got) == len(reference)
-    for ids, ref in zip(got, reference):
-        assert_greedy_equal_up_to_ties(ids, ref)
+        return list(ex.map(lambda p: greedy_ids_or_reference(srv, p, 24, reference), BURST))
 
 
 def read_trace(path) -> list[dict]:
@@ -78,8 +69,8 @@ def test_burst_evicts_experts_quiet_restores_them_outputs_equal_off(tmp_path, mo
     off = start_server(["--model-path", path, "--max-total-tokens", "4096", "--context-length", "512"],
                        tmp_path / "off.log")
     try:
-        expected = burst_top2(off)
-        expected_tail = generate_top2(off, LONG, max_new_tokens=160)
+        expected = burst(off, reference=True)
+        expected_tail = generate(off, LONG, max_new_tokens=160, top_logprobs=2)
     finally:
         off.stop()
 
@@ -98,8 +89,8 @@ def test_burst_evicts_experts_quiet_restores_them_outputs_equal_off(tmp_path, mo
 
     # the same greedy ids as plain SGLang, but for a near-tie that the elastic server's other
     # batches (200 tokens of KV admit fewer requests at once) may tip the other way
-    assert_burst_matches(got, expected)
-    assert_burst_matches(again, expected)
+    assert_all_greedy_equal_up_to_ties(got, expected)
+    assert_all_greedy_equal_up_to_ties(again, expected)
     assert_greedy_equal_up_to_ties(tail, expected_tail)  # experts came back under it
     # once every expert was back, nothing waiting never cost an expert: as the long request's
     # KV grew, the finished requests' cache gave way first (before, the tail evicted experts

@@ -27,7 +27,8 @@ import re
 import pytest
 
 from sglang_rimuru.models import ensure_model
-from tests.conftest import assert_greedy_equal_up_to_ties, generate, generate_top2, start_server
+from tests.conftest import (assert_all_greedy_equal_up_to_ties, assert_greedy_equal_up_to_ties,
+                            greedy_ids_or_reference, start_server)
 from tests.server.test_elastic import read_trace, wait_all_resident
 
 pytestmark = pytest.mark.server
@@ -52,21 +53,16 @@ ELASTIC_POOL = {
 def workload(srv, reference: bool = False) -> dict:
     """The burst, then the long prompt; as a reference (mode off) each answer keeps its
     steps' best two tokens, for ``matches``."""
-    def one(prompt, n):
-        return generate_top2(srv, prompt, n) if reference else generate(srv, prompt, max_new_tokens=n)["output_ids"]
-
     with cf.ThreadPoolExecutor(len(BURST)) as ex:
-        burst = list(ex.map(lambda p: one(p, 16), BURST))
-    return {"long": one(LONG, 8), "burst": burst}
+        burst = list(ex.map(lambda p: greedy_ids_or_reference(srv, p, 16, reference), BURST))
+    return {"long": greedy_ids_or_reference(srv, LONG, 8, reference), "burst": burst}
 
 
 def matches(got: dict, reference: dict) -> None:
     """Greedy ids equal mode off's, but for a bf16 near-tie that another batch tipped
     (a pool mode's KV budget admits the burst in other batches)."""
     assert_greedy_equal_up_to_ties(got["long"], reference["long"])
-    assert len(got["burst"]) == len(reference["burst"])
-    for ids, ref in zip(got["burst"], reference["burst"]):
-        assert_greedy_equal_up_to_ties(ids, ref)
+    assert_all_greedy_equal_up_to_ties(got["burst"], reference["burst"])
 
 
 @pytest.mark.parametrize("model", list(ELASTIC_POOL))
