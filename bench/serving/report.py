@@ -40,9 +40,10 @@ def load(paths: list[str]) -> list[dict]:
     ``code_digest_source`` says how it was recovered)."""
     runs = []
     for p in paths:
-        r = json.loads(Path(p).read_text())
-        r["_dir"] = str(Path(p).resolve().parent)
-        digest, source = run_digest(Path(p).resolve(), r)
+        path = Path(p).resolve()
+        r = json.loads(path.read_text())
+        r["_dir"] = str(path.parent)
+        digest, source = run_digest(path, r)
         if digest and source != "run":
             r["code_digest"], r["code_digest_source"] = digest, source
         runs.append(r)
