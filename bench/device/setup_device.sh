@@ -13,7 +13,11 @@ export PYTHONUNBUFFERED=1
 # start recompiles every paged-MoE config during graph capture (elastic's decode
 # capture: 66 s against plain's 8 s on the H200). .carry/triton_cache_sm90.tgz, when
 # there, seeds the cache; save_triton_cache (end of a script) leaves the cache in
-# $OUT for the next session to put into .carry.
+# $OUT for the next session to put into .carry. Only the binaries travel: a cached
+# kernel loads from its metadata JSON and .cubin (triton 3.6 compiler.py: CompiledKernel
+# reads whatever files its group lists and still exist, and takes only asm["cubin"]), so
+# the intermediate IR (.source .ttir .ttgir .llir .ptx, two thirds of the archive) is left
+# out: both shapes' caches in 2.1 MB instead of 5.3.
 export TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p "$TRITON_CACHE_DIR"
 if [ -f .carry/triton_cache_sm90.tgz ] && [ ! -f "$TRITON_CACHE_DIR/.seeded" ]; then
@@ -21,7 +25,9 @@ if [ -f .carry/triton_cache_sm90.tgz ] && [ ! -f "$TRITON_CACHE_DIR/.seeded" ]; 
 fi
 save_triton_cache() {  # save_triton_cache [MAX_MB=10]: $OUT/triton_cache_sm90.tgz if small enough
     local max_mb=${1:-10} out=${OUT:-/tmp/out}
-    tar czf /tmp/triton_cache_sm90.tgz -C "$TRITON_CACHE_DIR" --exclude=.seeded . 2>/dev/null || return 0
+    tar czf /tmp/triton_cache_sm90.tgz -C "$TRITON_CACHE_DIR" --exclude=.seeded \
+        --exclude='*.source' --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.ptx' . \
+        2>/dev/null || return 0
     local mb=$(( $(stat -c %s /tmp/triton_cache_sm90.tgz) >> 20 ))
     if [ "$mb" -le "$max_mb" ]; then cp /tmp/triton_cache_sm90.tgz "$out/"; else echo "triton cache ${mb} MiB: not saved"; fi
 }
