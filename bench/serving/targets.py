@@ -8,8 +8,9 @@ requests at the same arrival times) and by system, read from the run's name as
 ``--cpu-offload-gb``), ``static``, ``elastic``, each ``q3``-prefixed for the Qwen3-30B-A3B
 shape. Against several runs of one baseline system on a traffic, the best of them counts
 (the issue's "best ``--cpu-offload-gb`` setting", "best static budget"). Throughput is
-bench_serving's; where either side of a pair stopped at its budget, both sides' SGLang
-decode-log means instead, marked ``~``. A throughput target below its threshold says what
+bench_serving's; where either side of a pair stopped at its budget (no bench_serving
+summary), that side's pass record (pool modes) or SGLang decode-log mean stands in, set
+against the other side's bench_serving figure if it finished, marked ``~`` with both sources. A throughput target below its threshold says what
 the traffic allows (``makespan.py``: no server beats the traffic's floor), where the baseline's
 traffic is the lens file's. A target with no pair among the runs is listed as not measured. Where a traffic has an
 ``elastic32copy`` run (the adjuster copying experts into load buffers), the ablation row sets
@@ -83,13 +84,21 @@ def stopped_rate(r: dict) -> tuple[float | None, str]:
     return r.get("log", {}).get("gen_tok_s_mean"), "decode log"
 
 
+def rate_of(r: dict) -> tuple[float | None, str]:
+    """A run's output rate for a ratio against a stopped run, and its source: bench_serving's
+    where the run finished (every token from the first request to the last; a pass record's
+    window may open at bench_serving's launch, ~25 s before its first request), else
+    stopped_rate's."""
+    return (r["bench"]["output_throughput"], "bench_serving") if done(r) else stopped_rate(r)
+
+
 def tput_ratio(a: dict, b: dict) -> tuple[float | None, str]:
     """a's output throughput over b's, and where the two rates come from: bench_serving's if
-    both finished (``""``), else each side's stopped_rate (``"pass record / decode log"``),
-    else None."""
+    both finished (``""``), else each side's rate_of (``"bench_serving / decode log"``,
+    ``"pass record / decode log"``), else None."""
     if done(a) and done(b):
         return a["bench"]["output_throughput"] / b["bench"]["output_throughput"], ""
-    (x, xs), (y, ys) = stopped_rate(a), stopped_rate(b)
+    (x, xs), (y, ys) = rate_of(a), rate_of(b)
     return (x / y, f"{xs} / {ys}") if x and y else (None, "")
 
 
@@ -99,8 +108,8 @@ def fmt(x: float | None, sources: str) -> str:
 
 
 def tput(r: dict) -> float:
-    """For picking the best of several baseline runs: bench_serving's, else stopped_rate's."""
-    return r["bench"]["output_throughput"] if done(r) else (stopped_rate(r)[0] or 0.0)
+    """For picking the best of several baseline runs: rate_of's."""
+    return rate_of(r)[0] or 0.0
 
 
 def ceiling_over(base: dict, step_ms: float, lens: Path) -> float | None:

@@ -313,7 +313,7 @@ def test_targets_say_where_the_traffic_not_the_server_bounds_a_ratio(tmp_path):
 def test_targets_compare_stopped_runs_by_named_sources_and_flag_a_borrowed_anchor(tmp_path):
     """A run stopped at its budget has no bench_serving figures: a pool-mode run's pass
     record (it counts the decodes mixed prefill passes carry), else SGLang's decode log,
-    each named. SGLang's offload streams whole layers whatever the routing, so a skewed
+    each named, against the other side's bench_serving figure where that side finished. SGLang's offload streams whole layers whatever the routing, so a skewed
     elastic run without its own anchor is set against the anchor of another traffic,
     flagged; a phased run never is. Over-card runs and code digests are listed."""
     targets = _serving_module("targets")
@@ -321,7 +321,10 @@ def test_targets_compare_stopped_runs_by_named_sources_and_flag_a_borrowed_ancho
           _run("q3elastic32d_cap", 32, log_rate=118.0, pass_rate=218.7, digest="aaaaaaaaaaaa"),
           _run("q3elastic32-skew", 32, log_rate=295.0, skew=1, num=150, peak=33_000),
           _run("elastic24d-skew_ph", 24, 637.0, skew=1, phases=[{"rate": 1.0, "num_prompts": 45}]),
-          _run("offload24-skew", 24, log_rate=91.0, skew=1, num=150)]
+          _run("offload24-skew", 24, log_rate=91.0, skew=1, num=150),
+          # finished: its bench_serving figure, not a pass record whose window opened at
+          # bench_serving's launch (~25 s before its first request)
+          _run("elastic24d-skew", 24, 1222.0, skew=1, num=150, pass_rate=650.0)]
     rs[0]["model"] = "q3"
     table = targets.targets_table(rs, 3.75, tmp_path / "missing.json")
     q3 = {_cells(r)[2]: _cells(r)[3:5]
@@ -330,11 +333,12 @@ def test_targets_compare_stopped_runs_by_named_sources_and_flag_a_borrowed_ancho
         "q3elastic32-skew / q3offload32_34_less2560_cap (anchor on 32 GB, Qwen3-30B-A3B, uniform, 10 req/s x 500)":
             ["~4.76x (decode log / decode log)", "**met**"],
         "q3elastic32d_cap / q3offload32_34_less2560_cap": ["~3.53x (pass record / decode log)", "**met**"]}
-    assert _rows(table, "24 GB Qwen1.5: >= 5x the best --cpu-offload-gb") == [
-        "| 24 GB Qwen1.5: >= 5x the best --cpu-offload-gb | - | - | no pair among these runs | not measured |"]
+    assert [_cells(r)[2:5] for r in _rows(table, "24 GB Qwen1.5: >= 5x the best --cpu-offload-gb")] == [
+        ["elastic24d-skew / offload24-skew", "~13.43x (bench_serving / decode log)", "**met**"]]
     assert "**over the card**: q3elastic32-skew" in table
     assert "**2 digests**: `aaaaaaaaaaaa`: q3offload32_34_less2560_cap, q3elastic32d_cap; " \
-           "`unknown (run before code_digest.py)`: q3elastic32-skew, elastic24d-skew_ph, offload24-skew" in table
+           "`unknown (run before code_digest.py)`: q3elastic32-skew, elastic24d-skew_ph, offload24-skew, " \
+           "elastic24d-skew" in table
 
 
 def test_the_code_digest_covers_the_servers_code_only(tmp_path):
@@ -605,7 +609,8 @@ def test_a_pair_across_two_server_codes_is_flagged():
 
 def test_the_ablation_row_names_each_step_and_the_copy_variant_pairs_with_no_target():
     """Issue 12's ablation on one traffic: static (pool only), elastic32copy (+ adjuster,
-    stopped at its budget here: its decode log), elastic (+ paged kernel), each against plain.
+    stopped at its budget here: its decode log against plain's bench_serving figure), elastic
+    (+ paged kernel), each against plain.
     The copy variant is not elastic mode as shipped: it makes no row of the plain targets."""
     targets = _serving_module("targets")
     rs = [_run("off32-skew_r20", 32, 1000.0, rate=20, skew=1, running=30, queued=200, log_rate=1000.0),
@@ -617,7 +622,7 @@ def test_the_ablation_row_names_each_step_and_the_copy_variant_pairs_with_no_tar
     assert _cells(row)[2:] == [
         "static32-skew_r20 / elastic32copy-skew_r20 / elastic32-skew_r20 against off32-skew_r20",
         "pool only (static32-skew_r20): 900 tok/s, 0.90x plain; + adjuster (elastic32copy-skew_r20): 400 tok/s, "
-        "~0.40x (decode log / decode log) plain; + paged kernel (elastic32-skew_r20): 1450 tok/s, 1.45x plain",
+        "~0.40x (decode log / bench_serving) plain; + paged kernel (elastic32-skew_r20): 1450 tok/s, 1.45x plain",
         "measured"]
     assert "elastic32copy" not in "\n".join(_rows(table, "at no rate below 0.97x plain"))
     assert targets.system_of({"name": "elastic32copy"}) == "elastic_copy"
