@@ -10,11 +10,13 @@ shape. Against several runs of one baseline system on a traffic, the best of the
 (the issue's "best ``--cpu-offload-gb`` setting", "best static budget"). Throughput is
 bench_serving's; where either side of a pair stopped at its budget (no bench_serving
 summary), that side's pass record (pool modes) or SGLang decode-log mean stands in, set
-against the other side's bench_serving figure if it finished, marked ``~`` with both sources. A throughput target below its threshold says what
-the traffic allows (``makespan.py``: no server beats the traffic's floor), where the baseline's
-traffic is the lens file's. A target with no pair among the runs is listed as not measured. Where a traffic has an
-``elastic32copy`` run (the adjuster copying experts into load buffers), the ablation row sets
-static (pool only), it (+ adjuster) and elastic (+ paged kernel) side by side against plain.
+against the other side's bench_serving figure if it finished, marked ``~`` with both
+sources. A throughput target below its threshold says what the traffic allows
+(``makespan.py``: no server beats the traffic's floor), where the baseline's traffic is the
+lens file's. A target with no pair among the runs is listed as not measured. Where a
+traffic has an ``elastic32copy`` run (the adjuster copying experts into load buffers), the
+ablation row sets static (pool only), it (+ adjuster) and elastic (+ paged kernel) side by
+side against plain.
 
 The last lines say which server code each run ran (``code_digest.py``): the issue wants
 its tables from runs at one commit, which one digest across the runs shows. A run from
@@ -96,9 +98,9 @@ def tput_ratio(a: dict, b: dict) -> tuple[float | None, str]:
     """a's output throughput over b's, and where the two rates come from: bench_serving's if
     both finished (``""``), else each side's rate_of (``"bench_serving / decode log"``,
     ``"pass record / decode log"``), else None."""
-    if done(a) and done(b):
-        return a["bench"]["output_throughput"] / b["bench"]["output_throughput"], ""
     (x, xs), (y, ys) = rate_of(a), rate_of(b)
+    if done(a) and done(b):
+        return x / y, ""
     return (x / y, f"{xs} / {ys}") if x and y else (None, "")
 
 

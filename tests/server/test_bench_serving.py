@@ -313,9 +313,10 @@ def test_targets_say_where_the_traffic_not_the_server_bounds_a_ratio(tmp_path):
 def test_targets_compare_stopped_runs_by_named_sources_and_flag_a_borrowed_anchor(tmp_path):
     """A run stopped at its budget has no bench_serving figures: a pool-mode run's pass
     record (it counts the decodes mixed prefill passes carry), else SGLang's decode log,
-    each named, against the other side's bench_serving figure where that side finished. SGLang's offload streams whole layers whatever the routing, so a skewed
-    elastic run without its own anchor is set against the anchor of another traffic,
-    flagged; a phased run never is. Over-card runs and code digests are listed."""
+    each named, against the other side's bench_serving figure where that side finished.
+    SGLang's offload streams whole layers whatever the routing, so a skewed elastic run
+    without its own anchor is set against the anchor of another traffic, flagged; a phased
+    run never is. Over-card runs and code digests are listed."""
     targets = _serving_module("targets")
     rs = [_run("q3offload32_34_less2560_cap", 32, log_rate=62.0, digest="aaaaaaaaaaaa"),
           _run("q3elastic32d_cap", 32, log_rate=118.0, pass_rate=218.7, digest="aaaaaaaaaaaa"),
