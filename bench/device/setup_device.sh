@@ -9,6 +9,13 @@ if [ ! -d /tmp/site/sglang ]; then
 fi
 export PYTHONPATH="$PWD/bench/device/site:/tmp/site:$PWD:$PWD/kernels:$PWD/patches:${PYTHONPATH:-}"
 export PYTHONUNBUFFERED=1
+# NVLink multicast stays off on the multi-GPU kinds (the device's KINDS.md: a program using
+# it can put the host's shared GPUs out of service). The image sets these; they are set
+# again here so that every server, rank and bench_serving child started from these scripts
+# inherits them even where a caller's environment dropped them (SGLang's own NVLS and
+# symmetric-memory paths are off by default too: --enable-nccl-nvls, --enable-symm-mem,
+# --enable-torch-symm-mem).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # Triton's compiled kernels survive only while the machine stays warm, and a cold
 # start recompiles every paged-MoE config during graph capture (elastic's decode
 # capture: 66 s against plain's 8 s on the H200). .carry/triton_cache_sm90.tgz, when

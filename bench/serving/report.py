@@ -17,7 +17,9 @@ writes PNGs (matplotlib; the H200 image has it): the pool split over time
 elastic run, and output throughput / TTFT median against request rate when
 runs of one system at several rates are given (names ``SYSTEM`` at the anchors'
 10 req/s, ``SYSTEM_rRATE`` at other rates, as bench/serving/h200.sh names them).
-``--targets``: issue 12's targets over the runs given (``targets.py``).
+``--targets``: issue 12's targets over the runs given (``targets.py``). Runs at
+``--tp-size`` > 1 get a table of each GPU's peak and the ranks' adjuster traces
+(``per_rank.py``: the same orders on every rank, issue 14).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from code_digest import run_digest
 from makespan import FASTEST_STEP_MS, LENS, floor, floor_of_run
+from per_rank import rank_table
 from targets import over_card, stopped_rate, targets_table
 
 
@@ -295,6 +298,9 @@ def main() -> None:
         raise SystemExit(f"--floor-step-ms needs the lens file: {args.lens} does not exist (--lens FILE)")
     results = load(args.results)
     print(table(results))
+    if tp := rank_table(results):  # runs at --tp-size > 1: each rank's card and trace
+        print()
+        print(tp)
     if any(r.get("phases") for r in results):
         print()
         print(phase_table(results, args.floor_step_ms or FASTEST_STEP_MS))

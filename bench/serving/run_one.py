@@ -19,15 +19,17 @@ GPU's and each process's memory), and the server log for running/queued requests
 
 Writes OUT_DIR/NAME.json: bench_serving's summary, peak running and queued requests,
 retractions, decode steps counted from the log, peak GPU memory (whole GPU and the
-largest process), the server's peak resident host memory (all its processes, from
-readiness on: the page-locked experts), the card budget, the adjuster trace's summary, and whether every
-request completed. Prints a short table. ``--budget-s`` stops the traffic (and says so)
-if the run would outlast a device call. bench_serving writes its numbers only when
-all its requests are done, so a stopped run keeps the server-side numbers (log,
-memory, trace) and no latency or throughput figures. A run ended by SIGTERM (the
-``timeout`` of a device call whose server started slowly) writes the same, marked
-``"cut"``. With ``--card-cap`` the JSON's ``card_cap_log`` says what the cap did: at
-start, how far what lay outside torch grew and the cap followed it down.
+largest process; by GPU too, for ``--tp-size 2``'s two cards), the server's peak
+resident host memory (all its processes, from readiness on: the page-locked experts),
+the card budget, the adjuster trace's summary (at TP > 1 each rank's trace set beside
+rank 0's: per_rank.py), and whether every request completed. Prints a short table.
+``--budget-s`` stops the traffic (and says so) if the run would outlast a device call.
+bench_serving writes its numbers only when all its requests are done, so a stopped run
+keeps the server-side numbers (log, memory, trace) and no latency or throughput figures.
+A run ended by SIGTERM (the ``timeout`` of a device call whose server started slowly)
+writes the same, marked ``"cut"``. With ``--card-cap`` the JSON's ``card_cap_log`` says
+what the cap did: at start, how far what lay outside torch grew and the cap followed it
+down.
 
 A CPU dry run of the whole path (tests/server/test_bench_serving.py does one):
 ``--device-flags "--device cpu --disable-cuda-graph" --card-gb 0`` and the KV cap
@@ -56,6 +58,7 @@ from sglang_rimuru.serving import start_local_server  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from code_digest import tree_digest  # noqa: E402
+from per_rank import SMI_APPS, SMI_GPUS, parse_smi, rank_traces  # noqa: E402
 from phases import aggregate, parse_phases, phase_datasets, phase_summary  # noqa: E402
 
 #: what the lent H200 needs (no flashinfer there; bench/device/setup_device.sh)
@@ -92,19 +95,29 @@ def tree_rss_mib(pid: int) -> int:
 
 
 class GpuSampler(threading.Thread):
-    """nvidia-smi every ``period`` s: the whole GPU's memory and each process's;
-    and the server's host memory (``watch(pid)``), GPU or not."""
+    """nvidia-smi every ``period`` s: each GPU's memory and each process's (by GPU: at
+    ``--tp-size 2`` every rank is its own emulated card, per_rank.py); and the server's
+    host memory (``watch(pid)``), GPU or not."""
 
     def __init__(self, period: float = 0.5) -> None:
         super().__init__(daemon=True)
         self.period = period
-        self.peak_gpu_mib = 0
-        self.peak_process_mib = 0
+        self.peak_gpu_mib_by_gpu: dict[int, int] = {}
+        self.peak_process_mib_by_gpu: dict[int, int] = {}
         self.peak_host_rss_mib = 0
         self.pid: int | None = None
-        self.samples: list[tuple[float, int]] = []
+        self.samples: list[tuple[float, int]] = []  # (s, the fullest GPU's MiB)
         self._stop = threading.Event()
         self._gpu = True
+
+    @property
+    def peak_gpu_mib(self) -> int:
+        """The fullest GPU's peak (the card check counts the worst rank)."""
+        return max(self.peak_gpu_mib_by_gpu.values(), default=0)
+
+    @property
+    def peak_process_mib(self) -> int:
+        return max(self.peak_process_mib_by_gpu.values(), default=0)
 
     def watch(self, pid: int) -> None:
         self.pid = pid
@@ -120,18 +133,19 @@ class GpuSampler(threading.Thread):
 
     def _sample_gpu(self, t0: float) -> None:
         try:
-            used = int(subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                      capture_output=True, text=True, timeout=10).stdout.split()[0])
-            procs = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                                    "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                                   timeout=10).stdout
+            gpus, apps = (subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
+                          for cmd in (SMI_GPUS, SMI_APPS))
         except Exception:  # noqa: BLE001 - no nvidia-smi (CPU dry run): nothing to sample
             self._gpu = False
             return
-        per = [int(line.split(",")[1]) for line in procs.strip().splitlines() if "," in line]
-        self.peak_gpu_mib = max(self.peak_gpu_mib, used)
-        self.peak_process_mib = max([self.peak_process_mib, *per])
-        self.samples.append((round(time.time() - t0, 1), used))
+        self.add_sample(round(time.time() - t0, 1), *parse_smi(gpus, apps))
+
+    def add_sample(self, t: float, used: dict[int, int], largest: dict[int, int]) -> None:
+        for peaks, now in ((self.peak_gpu_mib_by_gpu, used), (self.peak_process_mib_by_gpu, largest)):
+            for gpu, mib in now.items():
+                peaks[gpu] = max(peaks.get(gpu, 0), mib)
+        if used:
+            self.samples.append((t, max(used.values())))
 
     def stop(self) -> None:
         self._stop.set()
@@ -448,8 +462,11 @@ def main() -> None:
         "log": log_stats(log),
         "peak_gpu_mib": sampler.peak_gpu_mib, "peak_process_mib": sampler.peak_process_mib,
         "peak_host_rss_mib": sampler.peak_host_rss_mib,
+        # by GPU index (JSON keys are strings): at --tp-size 2 one emulated card per rank
+        "peak_gpu_mib_by_gpu": sampler.peak_gpu_mib_by_gpu, "peak_process_mib_by_gpu": sampler.peak_process_mib_by_gpu,
         "card_mib": args.card_gb * 1024, "gpu_mem_series": sampler.samples[::4],
         "trace": trace_summary(trace),
+        "tp_traces": rank_traces(trace),  # TP > 1: every rank's trace beside rank 0's, line for line
         "steps": step_summary(steps_path),
         # from the first request (bench_serving's own start is no serving time), else from t0
         "traffic_began_s": round(began[0] - t0, 1) if began else None,
@@ -482,6 +499,9 @@ def main() -> None:
           + (f"; card cap: {cc['cap_mib_start']:.0f} MiB at start, followed to {cc['cap_mib_min']:.0f} "
              f"(outside torch {cc['outside_mib_start']:.0f} -> up to {cc['outside_mib_max']:.0f} MiB)"
              if (cc := res["card_cap_log"]) else "")
+          + (f"; TP ranks: peak GPU MiB by GPU {res['peak_gpu_mib_by_gpu']}, trace lines {tt['rounds']}, orders "
+             + (f"identical over {tt['compared']}" if tt["orders_identical"]
+                else f"DIFFER from seq {tt['first_difference_seq']}") if (tt := res["tp_traces"]) else "")
           + ("; CUT by SIGTERM (the call's time) before the budget" if cut else ""), flush=True)
 
 

@@ -630,3 +630,121 @@ def test_the_ablation_row_names_each_step_and_the_copy_variant_pairs_with_no_tar
     incomplete = targets.targets_table(rs[2:], 3.75, Path("/nonexistent/lens.json"))
     [row] = _rows(incomplete, "ablation: pool only, + adjuster, + paged kernel")
     assert _cells(row)[3].startswith("pool only: not run; ") and _cells(row)[4] == "incomplete"
+
+
+#: nvidia-smi's two queries on a two-GPU machine during a TP=2 run (per_rank.SMI_GPUS,
+#: SMI_APPS): one scheduler process per GPU, a third GPU the run does not use, and a row
+#: with no figure (nvidia-smi prints [N/A] where it has none)
+SMI_GPUS_OUT = "0, GPU-aaaa, 21500\n1, GPU-bbbb, 22900\n2, GPU-cccc, [N/A]\n"
+SMI_APPS_OUT = "4101, GPU-aaaa, 20980\n4102, GPU-bbbb, 22310\n4103, GPU-bbbb, 300\n4104, GPU-zzzz, 999\n"
+
+
+def test_each_gpu_is_its_own_card_at_tp2():
+    """At --tp-size 2 each rank's GPU is an emulated card: the sampler keeps each GPU's peak
+    and its largest process's, and the card check reads the fullest GPU, never the sum of
+    two (which would put every TP=2 run over a 24 GB card) nor GPU 0 alone."""
+    per_rank, run_one = _serving_module("per_rank"), _serving_module("run_one")
+    used, largest = per_rank.parse_smi(SMI_GPUS_OUT, SMI_APPS_OUT)
+    assert used == {0: 21500, 1: 22900}  # GPU 2's [N/A] is no 0
+    assert largest == {0: 20980, 1: 22310}  # the process on an unlisted GPU is left out
+    s = run_one.GpuSampler()
+    s.add_sample(1.0, used, largest)
+    s.add_sample(1.5, {0: 23000, 1: 22000}, {0: 22400, 1: 21900})
+    assert s.peak_gpu_mib_by_gpu == {0: 23000, 1: 22900}
+    assert s.peak_process_mib_by_gpu == {0: 22400, 1: 22310}
+    assert (s.peak_gpu_mib, s.peak_process_mib) == (23000, 22400)
+    assert s.samples == [(1.0, 22900), (1.5, 23000)]
+    assert per_rank.parse_smi("", "") == ({}, {})  # no GPU: nothing made up
+    one = run_one.GpuSampler()
+    assert (one.peak_gpu_mib, one.peak_process_mib) == (0, 0)
+    targets = _serving_module("targets")
+    card24 = {"card_gib": 24.0, "peak_gpu_mib": s.peak_gpu_mib, "peak_process_mib": s.peak_process_mib}
+    assert not targets.over_card(card24)  # each GPU within 24 GiB (their sum, 45,900 MiB, is not a card)
+    card24["peak_gpu_mib"] = 24 * 1024
+    assert not targets.over_card(card24)  # exactly the card is within it...
+    card24["peak_gpu_mib"] += 1
+    assert targets.over_card(card24)  # ...one MiB more on either GPU is not
+
+
+def _trace_line(seq: int, t: float, evicted, restored, sets) -> str:
+    """One adjuster trace line as the elastic controller writes it (the fields compared)."""
+    return json.dumps({"t": t, "round": 1000 + seq, "seq": seq, "reason": "kv_short", "evicted": evicted,
+                       "restored": restored, "resident": sum(len(v) for v in sets.values()),
+                       "resident_sets": {str(k): v for k, v in sets.items()}})
+
+
+def test_the_ranks_traces_are_compared_line_for_line(tmp_path):
+    """TP rank k > 0 writes TRACE.tpk: the same seq, evictions, restores and resident sets as
+    rank 0 on every line both wrote (its own wall time and round counter may differ; a rank
+    stopped before its last line is compared up to it); the first line that differs is named."""
+    per_rank = _serving_module("per_rank")
+    trace = tmp_path / "elastic_tp2_trace.jsonl"
+    sets = [{0: [0, 1, 2], 1: [0, 1, 3]}, {0: [0, 1], 1: [0, 1, 3]}, {0: [0, 1], 1: [1, 3]}]
+    orders = [(1, [[0, 2]], []), (2, [[1, 0]], []), (3, [], [[1, 0]])]
+    rank0 = [_trace_line(s, 10.0 + s, e, r, sets[i]) for i, (s, e, r) in enumerate(orders)]
+    rank1 = [_trace_line(s, 10.3 + s, e, r, sets[i]) for i, (s, e, r) in enumerate(orders[:2])]
+    trace.write_text("\n".join(rank0) + "\n")
+    assert per_rank.rank_traces(trace) is None  # TP = 1: rank 0's trace alone
+    (tmp_path / "elastic_tp2_trace.jsonl.tp1").write_text("\n".join(rank1) + "\n")
+    (tmp_path / "elastic_tp2_trace.jsonl.tp1.steps.jsonl").write_text("{}\n")  # rank 1's step record: no rank
+    assert per_rank.rank_traces(trace) == {"ranks": 2, "rounds": [3, 2], "compared": 2, "orders_identical": True,
+                                           "first_difference_seq": None}
+    drifted = {0: [0, 1], 1: [0, 3]}  # rank 1 evicted another expert of layer 1 at seq 2
+    rank1[1] = _trace_line(2, 12.3, [[1, 1]], [], drifted)
+    (tmp_path / "elastic_tp2_trace.jsonl.tp1").write_text("\n".join(rank1) + "\n")
+    assert per_rank.rank_traces(trace) == {"ranks": 2, "rounds": [3, 2], "compared": 2, "orders_identical": False,
+                                           "first_difference_seq": 2}
+
+
+def test_the_report_sets_each_rank_beside_its_card():
+    """The report's TP table: one row per run at --tp-size > 1, each GPU's peak against the
+    card, the ranks' trace lines and their agreement; runs at TP = 1 make no table."""
+    per_rank = _serving_module("per_rank")
+    tp2 = {"name": "tp2elastic", "card_gib": 24.0,
+           "server_args": ["--tp-size", "2", "--rimuru-mode", "elastic", "--rimuru-expert-offload-limit", "64"],
+           "peak_gpu_mib_by_gpu": {"1": 22900, "0": 23000}, "peak_process_mib_by_gpu": {"0": 22400, "1": 22310},
+           "tp_traces": {"ranks": 2, "rounds": [41, 40], "compared": 40, "orders_identical": True,
+                         "first_difference_seq": None}}
+    off = {"name": "tp2off", "card_gib": 24.0, "server_args": ["--tp-size", "2", "--cpu-offload-gb", "12"],
+           "peak_gpu_mib_by_gpu": {"0": 20480, "1": 20992}, "peak_process_mib_by_gpu": {"0": 20000, "1": 20500},
+           "tp_traces": None}
+    assert per_rank.rank_table([{"name": "elastic32", "card_gib": 32.0, "server_args": []}]) is None
+    lines = per_rank.rank_table([tp2, off, {"name": "elastic32", "card_gib": 32.0, "server_args": []}]).splitlines()
+    assert lines[2:] == ["| tp2elastic | 2 | 22.5 / 22.4 / 24 | 21.9 / 21.8 | 41 / 40 | yes, 40 lines |",
+                         "| tp2off | 2 | 20.0 / 20.5 / 24 | 19.5 / 20.0 | - | - |"]
+    tp2["tp_traces"] = {**tp2["tp_traces"], "orders_identical": False, "first_difference_seq": 7}
+    assert per_rank.rank_table([tp2]).splitlines()[2].endswith("| 41 / 40 | **no**: first at seq 7 |")
+
+
+def test_run_one_at_tp2_on_cpu_sets_the_ranks_traces_side_by_side(tmp_path, model_dir):
+    """Issue 14's harness end to end on CPU: an elastic server at --tp-size 2 under a burst
+    its 200 KV tokens cannot hold (the elastic tests' flags), so both ranks evict and
+    restore; the JSON compares rank 1's trace (TRACE.tp1) with rank 0's line for line and
+    the report gives the TP table."""
+    model = str(ensure_model("tiny-qwen3-moe", cache_dir=model_dir))
+    data = tmp_path / "burst.json"
+    data.write_text(json.dumps([{"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"request {i}: " + "word " * 30},
+        {"from": "gpt", "value": "It is calm and blue today, friend. " * 3}]} for i in range(16)]))
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "bench/serving/run_one.py"), "--name", "tp2elastic_cpu", "--model", model,
+           "--card-gb", "0", "--device-flags", "", "--rate", "16", "--num-prompts", "16", "--dataset", str(data),
+           "--context-len", "512", "--out", str(out), "--budget-s", "240", "--",
+           "--tp-size", "2", "--rimuru-mode", "elastic", "--rimuru-expert-offload-limit", "4",
+           "--max-total-tokens", "200", "--context-length", "512"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "SGLANG_RIMURU_CHECK_INVARIANTS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "tp2elastic_cpu.json").read_text())
+    assert res["all_completed"] and res["tracebacks"] == 0, res["bench_log_tail"]
+    assert res["trace"]["evicted"] > 0 and res["trace"]["restored"] > 0
+    tt = res["tp_traces"]
+    assert tt["ranks"] == 2 and tt["orders_identical"] and tt["first_difference_seq"] is None
+    # at the server's stop rank 1 may not have written its line for the last order yet
+    assert tt["compared"] == min(tt["rounds"]) >= max(tt["rounds"]) - 1 and tt["compared"] >= 2
+    assert res["peak_gpu_mib_by_gpu"] == {} and res["peak_gpu_mib"] == 0  # no nvidia-smi: nothing sampled
+    rep = subprocess.run([sys.executable, str(ROOT / "bench/serving/report.py"), str(out / "tp2elastic_cpu.json")],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert rep.returncode == 0, rep.stderr
+    rounds = " / ".join(map(str, tt["rounds"]))
+    assert f"| tp2elastic_cpu | 2 | - / 0 | - | {rounds} | yes, {tt['compared']} lines |" in rep.stdout
