@@ -46,7 +46,7 @@ serve() {  # serve NAME PORT FLAGS...: start, wait for /health (stop early if it
     done
     echo "$name not ready"; return 1
 }
-peak_mem() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits; }
+peak_mem() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | paste -sd/; }  # GPU0/GPU1 at TP=2
 probe() {  # probe NAME: run serve_probe, keep the pool lines and GPU memory
     timeout ${PROBE_S:-150} python3 bench/device/serve_probe.py http://127.0.0.1:$PORT "$OUT/$1.json" \
         --batches ${BATCHES:-1,32} --repeats ${REPEATS:-1} 2>&1 | tail -${PROBE_LINES:-8}
