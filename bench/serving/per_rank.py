@@ -5,19 +5,12 @@ whether every rank's adjuster applied the same orders.
   is one scheduler process per GPU, each its own emulated card, so the card check is
   per GPU (the largest one counts), not the machine's sum; on one GPU it is what the
   harness always read.
-* ``rank_traces``: at TP > 1 rank ``k > 0`` writes its adjuster trace beside rank 0's
-  as ``TRACE.tpk`` (``patches/rimuru_patches/unified_pool/runtime.py``). The ranks plan
-  deterministically and the round hook checks their agreement (``TPAgreement``); the
-  traces are the after-the-fact record that each applied the same orders: the same seq,
-  evictions, restores and resident sets, line for line.
-* ``rank_table``: the report's table of both, one row per run at TP > 1.
+* ``rank_table``: the report's table, one row per run at TP > 1: each GPU's peak, and
+  the ranks' adjuster traces as ``run_one.rank_traces`` compared them (rank ``k > 0``
+  writes its trace beside rank 0's as ``TRACE.tpk``: the same orders line for line).
 """
 
 from __future__ import annotations
-
-import json
-import re
-from pathlib import Path
 
 SMI_GPUS = ["nvidia-smi", "--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits"]
 SMI_APPS = ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"]
@@ -44,34 +37,6 @@ def parse_smi(gpus: str, apps: str) -> tuple[dict[int, int], dict[int, int]]:
         gpu = index_of[parts[1]]
         largest[gpu] = max(largest.get(gpu, 0), int(parts[2]))
     return used, largest
-
-
-def _read(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-
-def _order(line: dict) -> tuple:
-    """What must be equal on every rank: the order (its seq, what left and came back) and the
-    resident sets it left; the wall time and the round counter are each rank's own."""
-    return line["seq"], line["evicted"], line["restored"], line["resident_sets"]
-
-
-def rank_traces(trace: Path) -> dict | None:
-    """The ranks' traces side by side (None at TP = 1: no ``TRACE.tpk`` beside ``trace``).
-    ``compared`` lines, the shortest rank's: at the server's stop a rank may not yet have
-    written its line for the last order. ``first_difference_seq``: rank 0's seq at the first
-    line where a rank differs (None: identical)."""
-    rank = re.compile(re.escape(trace.name) + r"\.tp(\d+)$")
-    others = sorted((int(m.group(1)), p) for p in trace.parent.glob(trace.name + ".tp*")
-                    if (m := rank.match(p.name)))
-    if not others:
-        return None
-    ranks = [_read(trace), *(_read(p) for _, p in others)]
-    compared = min(len(r) for r in ranks)
-    first = next((ranks[0][i]["seq"] for i in range(compared)
-                  if any(_order(r[i]) != _order(ranks[0][i]) for r in ranks[1:])), None)
-    return {"ranks": 1 + len(others), "rounds": [len(r) for r in ranks], "compared": compared,
-            "orders_identical": first is None, "first_difference_seq": first}
 
 
 def tp_size(r: dict) -> int:

@@ -22,7 +22,7 @@ retractions, decode steps counted from the log, peak GPU memory (whole GPU and t
 largest process; by GPU too, for ``--tp-size 2``'s two cards), the server's peak
 resident host memory (all its processes, from readiness on: the page-locked experts),
 the card budget, the adjuster trace's summary (at TP > 1 each rank's trace set beside
-rank 0's: per_rank.py), and whether every request completed. Prints a short table.
+rank 0's: rank_traces), and whether every request completed. Prints a short table.
 ``--budget-s`` stops the traffic (and says so) if the run would outlast a device call.
 bench_serving writes its numbers only when all its requests are done, so a stopped run
 keeps the server-side numbers (log, memory, trace) and no latency or throughput figures.
@@ -58,7 +58,7 @@ from sglang_rimuru.serving import start_local_server  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from code_digest import tree_digest  # noqa: E402
-from per_rank import SMI_APPS, SMI_GPUS, parse_smi, rank_traces  # noqa: E402
+from per_rank import SMI_APPS, SMI_GPUS, parse_smi  # noqa: E402
 from phases import aggregate, parse_phases, phase_datasets, phase_summary  # noqa: E402
 
 #: what the lent H200 needs (no flashinfer there; bench/device/setup_device.sh)
@@ -204,9 +204,10 @@ def _cut(signum, frame):
     raise _Cut()
 
 
-def step_record(path: Path) -> list[dict] | None:
-    """The step record's lines (``step_record_path`` of an elastic trace: one JSON object
-    per dump), or None when the run wrote none."""
+def read_jsonl(path: Path) -> list[dict] | None:
+    """The lines of a JSON-lines file the server writes (the adjuster trace, one object per
+    order; its step record, ``step_record_path`` of the trace, one per dump), or None when
+    the run wrote none."""
     if not path.exists():
         return None
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
@@ -217,7 +218,7 @@ def step_summary(path: Path, width: int = 8) -> list[list] | None:
     by batch, in buckets of ``width`` requests: [first batch, last
     batch, steps, median ms, mean batch, mean expected offloaded reads, median GPU ms
     of the decode passes of that batch (the record's ``"gpu"`` rows; None without)]."""
-    lines = step_record(path)
+    lines = read_jsonl(path)
     if lines is None:
         return None
     buckets: dict[int, list] = {}
@@ -239,7 +240,7 @@ def pass_tokens(path: Path, t_from: float) -> dict | None:
     prompt chunk was not its last): a run stopped at its budget has no bench_serving
     figures, and with prefill passes carrying the decodes SGLang's decode log misses them.
     ``seconds`` runs from ``t_from`` to the last record written."""
-    lines = [x for x in step_record(path) or [] if x["t"] > t_from]
+    lines = [x for x in read_jsonl(path) or [] if x["t"] > t_from]
     if not lines:
         return None
     decode = [b for x in lines for b, _ in x.get("gpu", [])]
@@ -258,7 +259,7 @@ def pass_memory(path: Path) -> dict | None:
     MiB after the last pass and at most. Reserved past the peaks is the allocator's cache
     (blocks of earlier sizes kept); peaks growing with the batch are live tensors. None
     without rows (no trace, not CUDA, or a record from before ``"memory"``)."""
-    rows = [r for x in step_record(path) or [] for r in x.get("memory", [])]
+    rows = [r for x in read_jsonl(path) or [] for r in x.get("memory", [])]
     if not rows:
         return None
     kinds = {}
@@ -273,9 +274,9 @@ def pass_memory(path: Path) -> dict | None:
 
 
 def trace_summary(path: Path) -> dict | None:
-    if not path.exists():
+    lines = read_jsonl(path)
+    if lines is None:
         return None
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     return {
         "rounds": len(lines),
         "evicted": sum(len(x["evicted"]) for x in lines),
@@ -286,6 +287,33 @@ def trace_summary(path: Path) -> dict | None:
         "series": [(round(x["t"] - lines[0]["t"], 2), x["resident"], x.get("waiting", 0),
                     x.get("pool", {}).get("kv_split_expert_pages", 0)) for x in lines],
     }
+
+
+def _order(line: dict) -> tuple:
+    """What must be equal on every rank: the order (its seq, what left and came back) and the
+    resident sets it left; the wall time and the round counter are each rank's own."""
+    return line["seq"], line["evicted"], line["restored"], line["resident_sets"]
+
+
+def rank_traces(trace: Path) -> dict | None:
+    """At TP > 1 rank ``k > 0`` writes its adjuster trace beside rank 0's as ``TRACE.tpk``
+    (``patches/rimuru_patches/unified_pool/runtime.py``). The ranks plan deterministically
+    and the round hook checks their agreement (``TPAgreement``); the traces are the
+    after-the-fact record that each applied the same orders, line for line. None at TP = 1
+    (no ``TRACE.tpk``). ``compared`` lines, the shortest rank's: at the server's stop a rank
+    may not yet have written its line for the last order. ``first_difference_seq``: rank
+    0's seq at the first line where a rank differs (None: identical)."""
+    rank = re.compile(re.escape(trace.name) + r"\.tp(\d+)$")
+    others = sorted((int(m.group(1)), p) for p in trace.parent.glob(trace.name + ".tp*")
+                    if (m := rank.match(p.name)))
+    if not others:
+        return None
+    ranks = [read_jsonl(trace) or [], *(read_jsonl(p) or [] for _, p in others)]
+    compared = min(len(r) for r in ranks)
+    first = next((ranks[0][i]["seq"] for i in range(compared)
+                  if any(_order(r[i]) != _order(ranks[0][i]) for r in ranks[1:])), None)
+    return {"ranks": 1 + len(others), "rounds": [len(r) for r in ranks], "compared": compared,
+            "orders_identical": first is None, "first_difference_seq": first}
 
 
 #: what bench_serving prints after its warmup request, one second (its sleep) before its traffic

@@ -677,22 +677,22 @@ def test_the_ranks_traces_are_compared_line_for_line(tmp_path):
     """TP rank k > 0 writes TRACE.tpk: the same seq, evictions, restores and resident sets as
     rank 0 on every line both wrote (its own wall time and round counter may differ; a rank
     stopped before its last line is compared up to it); the first line that differs is named."""
-    per_rank = _serving_module("per_rank")
+    run_one = _serving_module("run_one")
     trace = tmp_path / "elastic_tp2_trace.jsonl"
     sets = [{0: [0, 1, 2], 1: [0, 1, 3]}, {0: [0, 1], 1: [0, 1, 3]}, {0: [0, 1], 1: [1, 3]}]
     orders = [(1, [[0, 2]], []), (2, [[1, 0]], []), (3, [], [[1, 0]])]
     rank0 = [_trace_line(s, 10.0 + s, e, r, sets[i]) for i, (s, e, r) in enumerate(orders)]
     rank1 = [_trace_line(s, 10.3 + s, e, r, sets[i]) for i, (s, e, r) in enumerate(orders[:2])]
     trace.write_text("\n".join(rank0) + "\n")
-    assert per_rank.rank_traces(trace) is None  # TP = 1: rank 0's trace alone
+    assert run_one.rank_traces(trace) is None  # TP = 1: rank 0's trace alone
     (tmp_path / "elastic_tp2_trace.jsonl.tp1").write_text("\n".join(rank1) + "\n")
     (tmp_path / "elastic_tp2_trace.jsonl.tp1.steps.jsonl").write_text("{}\n")  # rank 1's step record: no rank
-    assert per_rank.rank_traces(trace) == {"ranks": 2, "rounds": [3, 2], "compared": 2, "orders_identical": True,
+    assert run_one.rank_traces(trace) == {"ranks": 2, "rounds": [3, 2], "compared": 2, "orders_identical": True,
                                            "first_difference_seq": None}
     drifted = {0: [0, 1], 1: [0, 3]}  # rank 1 evicted another expert of layer 1 at seq 2
     rank1[1] = _trace_line(2, 12.3, [[1, 1]], [], drifted)
     (tmp_path / "elastic_tp2_trace.jsonl.tp1").write_text("\n".join(rank1) + "\n")
-    assert per_rank.rank_traces(trace) == {"ranks": 2, "rounds": [3, 2], "compared": 2, "orders_identical": False,
+    assert run_one.rank_traces(trace) == {"ranks": 2, "rounds": [3, 2], "compared": 2, "orders_identical": False,
                                            "first_difference_seq": 2}
 
 
