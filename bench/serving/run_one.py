@@ -213,12 +213,12 @@ def read_jsonl(path: Path) -> list[dict] | None:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def step_summary(path: Path, width: int = 8) -> list[list] | None:
-    """The decode steps the cost-aware adjuster timed (``step_record_path`` of its trace)
-    by batch, in buckets of ``width`` requests: [first batch, last
-    batch, steps, median ms, mean batch, mean expected offloaded reads, median GPU ms
-    of the decode passes of that batch (the record's ``"gpu"`` rows; None without)]."""
-    lines = read_jsonl(path)
+def step_summary(lines: list[dict] | None, width: int = 8) -> list[list] | None:
+    """The decode steps the cost-aware adjuster timed (the step record's ``lines``,
+    read_jsonl of ``step_record_path`` of its trace; None: the run wrote none) by batch, in
+    buckets of ``width`` requests: [first batch, last batch, steps, median ms, mean batch,
+    mean expected offloaded reads, median GPU ms of the decode passes of that batch (the
+    record's ``"gpu"`` rows; None without)]."""
     if lines is None:
         return None
     buckets: dict[int, list] = {}
@@ -233,14 +233,15 @@ def step_summary(path: Path, width: int = 8) -> list[list] | None:
             for k, xs in sorted(buckets.items())]
 
 
-def pass_tokens(path: Path, t_from: float) -> dict | None:
+def pass_tokens(lines: list[dict] | None, t_from: float) -> dict | None:
     """Output tokens the timed passes made after ``t_from`` (wall clock), from the step
     record's ``"gpu"`` (decode: one token per request) and ``"passes"`` rows (extend and
     mixed: one per request, so at most one too many per pass for the request whose
     prompt chunk was not its last): a run stopped at its budget has no bench_serving
     figures, and with prefill passes carrying the decodes SGLang's decode log misses them.
-    ``seconds`` runs from ``t_from`` to the last record written."""
-    lines = [x for x in read_jsonl(path) or [] if x["t"] > t_from]
+    ``seconds`` runs from ``t_from`` to the last record written. ``lines``: the step
+    record's, as step_summary's."""
+    lines = [x for x in lines or [] if x["t"] > t_from]
     if not lines:
         return None
     decode = [b for x in lines for b, _ in x.get("gpu", [])]
@@ -252,14 +253,15 @@ def pass_tokens(path: Path, t_from: float) -> dict | None:
             "extend_passes": sum(k == "extend" for k, _ in prefill)}
 
 
-def pass_memory(path: Path) -> dict | None:
+def pass_memory(lines: list[dict] | None) -> dict | None:
     """What the caching allocator did per pass (the step record's ``"memory"`` rows:
     ``[kind, batch, peak allocated MiB, reserved MiB]``, ``pass_timer.py``): by pass kind,
     the largest batch, the highest peak and the batch it came with, and the reserved
     MiB after the last pass and at most. Reserved past the peaks is the allocator's cache
     (blocks of earlier sizes kept); peaks growing with the batch are live tensors. None
-    without rows (no trace, not CUDA, or a record from before ``"memory"``)."""
-    rows = [r for x in read_jsonl(path) or [] for r in x.get("memory", [])]
+    without rows (no trace, not CUDA, or a record from before ``"memory"``). ``lines``: the
+    step record's, as step_summary's."""
+    rows = [r for x in lines or [] for r in x.get("memory", [])]
     if not rows:
         return None
     kinds = {}
@@ -273,8 +275,8 @@ def pass_memory(path: Path) -> dict | None:
             "peak_mib_max": max(r[2] for r in rows)}
 
 
-def trace_summary(path: Path) -> dict | None:
-    lines = read_jsonl(path)
+def trace_summary(lines: list[dict] | None) -> dict | None:
+    """The adjuster trace's ``lines`` (read_jsonl; None: the run wrote none) in brief."""
     if lines is None:
         return None
     return {
@@ -295,20 +297,21 @@ def _order(line: dict) -> tuple:
     return line["seq"], line["evicted"], line["restored"], line["resident_sets"]
 
 
-def rank_traces(trace: Path) -> dict | None:
+def rank_traces(trace: Path, rank0: list[dict] | None) -> dict | None:
     """At TP > 1 rank ``k > 0`` writes its adjuster trace beside rank 0's as ``TRACE.tpk``
     (``patches/rimuru_patches/unified_pool/runtime.py``). The ranks plan deterministically
     and the round hook checks their agreement (``TPAgreement``); the traces are the
     after-the-fact record that each applied the same orders, line for line. None at TP = 1
     (no ``TRACE.tpk``). ``compared`` lines, the shortest rank's: at the server's stop a rank
     may not yet have written its line for the last order. ``first_difference_seq``: rank
-    0's seq at the first line where a rank differs (None: identical)."""
+    0's seq at the first line where a rank differs (None: identical). ``rank0``: the lines
+    of ``trace`` itself, as the caller read them for trace_summary."""
     rank = re.compile(re.escape(trace.name) + r"\.tp(\d+)$")
     others = sorted((int(m.group(1)), p) for p in trace.parent.glob(trace.name + ".tp*")
                     if (m := rank.match(p.name)))
     if not others:
         return None
-    ranks = [read_jsonl(trace) or [], *(read_jsonl(p) or [] for _, p in others)]
+    ranks = [rank0 or [], *(read_jsonl(p) or [] for _, p in others)]
     compared = min(len(r) for r in ranks)
     first = next((ranks[0][i]["seq"] for i in range(compared)
                   if any(_order(r[i]) != _order(ranks[0][i]) for r in ranks[1:])), None)
@@ -474,7 +477,8 @@ def main() -> None:
     log = log_path.read_text(errors="replace")
     srv.stop()
     result = aggregate(results) if args.phases else results[0]
-    steps_path = Path(step_record_path(str(trace)))  # the elastic step record beside the trace
+    # the adjuster trace and the elastic step record beside it, each read once for every figure below
+    trace_lines, step_lines = read_jsonl(trace), read_jsonl(Path(step_record_path(str(trace))))
     res = {
         "name": args.name, "server_args": server_args, "card_gib": args.card_gb, "card_cap": args.card_cap,
         "router_skew": args.skew,
@@ -493,13 +497,13 @@ def main() -> None:
         # by GPU index (JSON keys are strings): at --tp-size 2 one emulated card per rank
         "peak_gpu_mib_by_gpu": sampler.peak_gpu_mib_by_gpu, "peak_process_mib_by_gpu": sampler.peak_process_mib_by_gpu,
         "card_mib": args.card_gb * 1024, "gpu_mem_series": sampler.samples[::4],
-        "trace": trace_summary(trace),
-        "tp_traces": rank_traces(trace),  # TP > 1: every rank's trace beside rank 0's, line for line
-        "steps": step_summary(steps_path),
+        "trace": trace_summary(trace_lines),
+        "tp_traces": rank_traces(trace, trace_lines),  # TP > 1: every rank's trace beside rank 0's, line for line
+        "steps": step_summary(step_lines),
         # from the first request (bench_serving's own start is no serving time), else from t0
         "traffic_began_s": round(began[0] - t0, 1) if began else None,
-        "pass_tokens": pass_tokens(steps_path, began[0] if began else t0),
-        "pass_memory": pass_memory(steps_path),
+        "pass_tokens": pass_tokens(step_lines, began[0] if began else t0),
+        "pass_memory": pass_memory(step_lines),
         "card_cap_log": card_cap_log(log),
         "tracebacks": log.count("Traceback"),
         "bench_log_tail": bench_log[-1500:],

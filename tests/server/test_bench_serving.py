@@ -399,9 +399,9 @@ def test_the_per_step_record_is_bucketed_and_set_beside_the_cost_model(tmp_path)
     path.write_text(json.dumps({"t": 1.0, "steps": [[1, 6.0, 0.0], [8, 8.0, 2.0], [3, 7.0, 1.0]]}) + "\n"
                     + json.dumps({"t": 2.0, "steps": [[9, 30.0, 40.0], [16, 34.0, 50.0]],
                                   "gpu": [[10, 20.0], [16, 24.0], [9, 21.0]]}) + "\n")
-    rows = run_one.step_summary(path)
+    rows = run_one.step_summary(run_one.read_jsonl(path))
     assert rows == [[1, 8, 3, 7.0, 4.0, 1.0, None], [9, 16, 2, 32.0, 12.5, 45.0, 21.0]]
-    assert run_one.step_summary(tmp_path / "missing.steps.jsonl") is None
+    assert run_one.step_summary(run_one.read_jsonl(tmp_path / "missing.steps.jsonl")) is None
     r = {"name": "elastic24", "steps": rows,
          "trace": {"cost_ms": {"base": 5.0, "per_request": 0.2, "expert": 0.5}}}
     old = {"name": "elastic24-old", "steps": [row[:6] for row in rows]}  # a JSON from before the GPU column
@@ -422,11 +422,11 @@ def test_a_stopped_run_counts_its_tokens_from_the_pass_record(tmp_path):
                     + json.dumps({"t": 30.0, "steps": [], "gpu": [[100, 1000.0], [101, 1010.0]],
                                   "passes": [["mixed", 104, 1400.0], ["extend", 3, 900.0]]}) + "\n"
                     + json.dumps({"t": 50.0, "steps": [[99, 990.0, 4000.0]], "gpu": [[99, 990.0]]}) + "\n")
-    got = run_one.pass_tokens(path, t_from=10.0)
+    got = run_one.pass_tokens(run_one.read_jsonl(path), t_from=10.0)
     assert got == {"tokens": 100 + 101 + 104 + 3 + 99, "seconds": 40.0, "tok_s": round(407 / 40, 1),
                    "decode_passes": 3, "mixed_passes": 1, "extend_passes": 1}
-    assert run_one.pass_tokens(path, t_from=60.0) is None
-    assert run_one.pass_tokens(tmp_path / "missing.steps.jsonl", t_from=0.0) is None
+    assert run_one.pass_tokens(run_one.read_jsonl(path), t_from=60.0) is None
+    assert run_one.pass_tokens(run_one.read_jsonl(tmp_path / "missing.steps.jsonl"), t_from=0.0) is None
 
 
 def test_the_traffic_begins_when_bench_serving_says_so_not_at_its_launch():
@@ -462,13 +462,13 @@ def test_pass_memory_sums_the_allocator_rows_by_pass_kind(tmp_path):
                                                                      ["decode", 240, 1400, 34000]]}) + "\n"
                     + json.dumps({"t": 50.0, "steps": [], "memory": [["mixed", 180, 2600, 36000],
                                                                      ["decode", 120, 700, 35500]]}) + "\n")
-    assert run_one.pass_memory(path) == {
+    assert run_one.pass_memory(run_one.read_jsonl(path)) == {
         "by_kind": {"decode": {"passes": 3, "max_batch": 240, "peak_mib": 1400, "peak_at_batch": 240},
                     "mixed": {"passes": 2, "max_batch": 200, "peak_mib": 2600, "peak_at_batch": 180}},
         "reserved_mib_last": 35500, "reserved_mib_max": 36000, "peak_mib_max": 2600}
     path.write_text(json.dumps({"t": 5.0, "steps": [], "gpu": [[1, 40.0]]}) + "\n")
-    assert run_one.pass_memory(path) is None
-    assert run_one.pass_memory(tmp_path / "missing.steps.jsonl") is None
+    assert run_one.pass_memory(run_one.read_jsonl(path)) is None
+    assert run_one.pass_memory(run_one.read_jsonl(tmp_path / "missing.steps.jsonl")) is None
 
 
 CAP_LOG = """\
@@ -684,16 +684,17 @@ def test_the_ranks_traces_are_compared_line_for_line(tmp_path):
     rank0 = [_trace_line(s, 10.0 + s, e, r, sets[i]) for i, (s, e, r) in enumerate(orders)]
     rank1 = [_trace_line(s, 10.3 + s, e, r, sets[i]) for i, (s, e, r) in enumerate(orders[:2])]
     trace.write_text("\n".join(rank0) + "\n")
-    assert run_one.rank_traces(trace) is None  # TP = 1: rank 0's trace alone
+    lines0 = run_one.read_jsonl(trace)
+    assert run_one.rank_traces(trace, lines0) is None  # TP = 1: rank 0's trace alone
     (tmp_path / "elastic_tp2_trace.jsonl.tp1").write_text("\n".join(rank1) + "\n")
     (tmp_path / "elastic_tp2_trace.jsonl.tp1.steps.jsonl").write_text("{}\n")  # rank 1's step record: no rank
-    assert run_one.rank_traces(trace) == {"ranks": 2, "rounds": [3, 2], "compared": 2, "orders_identical": True,
-                                           "first_difference_seq": None}
+    assert run_one.rank_traces(trace, lines0) == {"ranks": 2, "rounds": [3, 2], "compared": 2,
+                                                  "orders_identical": True, "first_difference_seq": None}
     drifted = {0: [0, 1], 1: [0, 3]}  # rank 1 evicted another expert of layer 1 at seq 2
     rank1[1] = _trace_line(2, 12.3, [[1, 1]], [], drifted)
     (tmp_path / "elastic_tp2_trace.jsonl.tp1").write_text("\n".join(rank1) + "\n")
-    assert run_one.rank_traces(trace) == {"ranks": 2, "rounds": [3, 2], "compared": 2, "orders_identical": False,
-                                           "first_difference_seq": 2}
+    assert run_one.rank_traces(trace, lines0) == {"ranks": 2, "rounds": [3, 2], "compared": 2,
+                                                  "orders_identical": False, "first_difference_seq": 2}
 
 
 def test_the_report_sets_each_rank_beside_its_card():
