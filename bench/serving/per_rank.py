@@ -67,7 +67,8 @@ def rank_table(results: list[dict]) -> str | None:
                      else f"**no**: first at seq {ranks['first_difference_seq']}")
             orders = " / ".join(str(n) for n in ranks["rounds"])
         else:
-            agree = orders = "-" if "elastic" not in " ".join(r.get("server_args") or []) else "no trace"
+            # run_one asks the server for a trace exactly when "elastic" is one of its flags
+            agree = orders = "no trace" if "elastic" in (r.get("server_args") or []) else "-"
         lines.append(f"| {r['name']} | {tp_size(r)} | {per_gpu(r.get('peak_gpu_mib_by_gpu'))} / {r['card_gib']:.0f} | "
                      f"{per_gpu(r.get('peak_process_mib_by_gpu'))} | {orders} | {agree} |")
     return "\n".join(lines)

@@ -715,6 +715,8 @@ def test_the_report_sets_each_rank_beside_its_card():
                          "| tp2off | 2 | 20.0 / 20.5 / 24 | 19.5 / 20.0 | - | - |"]
     tp2["tp_traces"] = {**tp2["tp_traces"], "orders_identical": False, "first_difference_seq": 7}
     assert per_rank.rank_table([tp2]).splitlines()[2].endswith("| 41 / 40 | **no**: first at seq 7 |")
+    tp2["tp_traces"] = None  # an elastic run whose ranks wrote no trace says so; mode off has none to write
+    assert per_rank.rank_table([tp2]).splitlines()[2].endswith("| no trace | no trace |")
 
 
 def test_run_one_at_tp2_on_cpu_sets_the_ranks_traces_side_by_side(tmp_path, model_dir):
