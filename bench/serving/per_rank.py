@@ -16,6 +16,12 @@ SMI_GPUS = ["nvidia-smi", "--query-gpu=index,uuid,memory.used", "--format=csv,no
 SMI_APPS = ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"]
 
 
+def wants_trace(server_args: list[str]) -> bool:
+    """Whether run_one asks the server for an adjuster trace: exactly when "elastic" is one of
+    its flags (``--rimuru-mode elastic``). The rank table reads a missing trace by the same test."""
+    return "elastic" in server_args
+
+
 def parse_smi(gpus: str, apps: str) -> tuple[dict[int, int], dict[int, int]]:
     """(memory used on each GPU, the largest process's on each GPU), MiB by GPU index, from
     the outputs of ``SMI_GPUS`` and ``SMI_APPS``. A value nvidia-smi does not give (``[N/A]``)
@@ -67,8 +73,7 @@ def rank_table(results: list[dict]) -> str | None:
                      else f"**no**: first at seq {ranks['first_difference_seq']}")
             orders = " / ".join(str(n) for n in ranks["rounds"])
         else:
-            # run_one asks the server for a trace exactly when "elastic" is one of its flags
-            agree = orders = "no trace" if "elastic" in (r.get("server_args") or []) else "-"
+            agree = orders = "no trace" if wants_trace(r.get("server_args") or []) else "-"
         lines.append(f"| {r['name']} | {tp_size(r)} | {per_gpu(r.get('peak_gpu_mib_by_gpu'))} / {r['card_gib']:.0f} | "
                      f"{per_gpu(r.get('peak_process_mib_by_gpu'))} | {orders} | {agree} |")
     return "\n".join(lines)

@@ -58,7 +58,7 @@ from sglang_rimuru.serving import start_local_server  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from code_digest import tree_digest  # noqa: E402
-from per_rank import SMI_APPS, SMI_GPUS, parse_smi  # noqa: E402
+from per_rank import SMI_APPS, SMI_GPUS, parse_smi, wants_trace  # noqa: E402
 from phases import aggregate, parse_phases, phase_datasets, phase_summary  # noqa: E402
 
 #: what the lent H200 needs (no flashinfer there; bench/device/setup_device.sh)
@@ -438,7 +438,7 @@ def main() -> None:
     if "--mem-fraction-static" not in server_args and args.card_gb > 0:
         flags += ["--mem-fraction-static", str(card_fraction(args.card_gb))]
     trace = out / f"{args.name}_trace.jsonl"
-    if "elastic" in server_args:
+    if wants_trace(server_args):
         flags += ["--rimuru-adjuster-trace", str(trace)]
     log_path = out / f"{args.name}.log"
     sampler = GpuSampler()
