@@ -84,7 +84,18 @@ def table(results: list[dict]) -> str:
     return "\n".join([head, *(row(r) for r in results)])
 
 
-RATE_SUFFIX = re.compile(r"_r[0-9.]+$")  # h200.sh names a run at another rate than 10 req/s NAME_rRATE
+# h200.sh names a run at another rate than 10 req/s NAME_rRATE; RATE=inf (every request sent at
+# once, bench_serving's saturation) gives NAME_rinf
+RATE_SUFFIX = re.compile(r"_r(?:[0-9.]+|inf)$")
+
+
+def rate_positions(rates: list[float]) -> tuple[list[float], list[float], list[str]]:
+    """x positions for the rate plots, and their ticks: a finite rate at itself, ``inf`` (all at
+    once) one step past the largest finite rate (twice it), labelled so."""
+    top = max([r for r in rates if r != float("inf")], default=10.0)
+    xs = [2 * top if r == float("inf") else r for r in rates]
+    ticks = sorted(set(xs))
+    return xs, ticks, ["all at once" if t == 2 * top and float("inf") in rates else f"{t:g}" for t in ticks]
 
 
 def baseline_for(r: dict, baseline: str) -> str:
@@ -253,9 +264,12 @@ def plots(results: list[dict], out: Path, step_ms: float | None = None, lens: Pa
     by_system = {s: rs for s, rs in by_system.items() if len({r["rate"] for r in rs}) > 1}
     if by_system:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+        every = sorted({r["rate"] for rs in by_system.values() for r in rs})
+        xs, ticks, labels = rate_positions(every)
+        x_of = dict(zip(every, xs))
         for system, rs in sorted(by_system.items()):
             rs.sort(key=lambda r: r["rate"])
-            rates = [r["rate"] for r in rs]
+            rates = [x_of[r["rate"]] for r in rs]
             a1.plot(rates, [r["bench"].get("output_throughput", 0) for r in rs], marker="o", label=system)
             a2.plot(rates, [r["bench"].get("median_ttft_ms", 0) / 1e3 for r in rs], marker="o", label=system)
         if step_ms:  # what any server could reach on each rate's traffic (makespan.py)
@@ -263,13 +277,14 @@ def plots(results: list[dict], out: Path, step_ms: float | None = None, lens: Pa
             for r in results:
                 f = floor_of(r, step_ms, lens)
                 if f is not None:
-                    ceil[r["rate"]] = f.ceiling_tok_s
+                    ceil[x_of.get(r["rate"], r["rate"])] = f.ceiling_tok_s
             if ceil:
                 a1.plot(sorted(ceil), [ceil[k] for k in sorted(ceil)], color="grey", linestyle="--",
                         marker="x", label=f"the traffic's ceiling (step {step_ms:g} ms)")
-        a1.set_xlabel("request rate (req/s)")
+        for a in (a1, a2):
+            a.set_xticks(ticks, labels)
+            a.set_xlabel("request rate (req/s)")
         a1.set_ylabel("output tok/s")
-        a2.set_xlabel("request rate (req/s)")
         a2.set_ylabel("TTFT median (s)")
         a1.legend()
         fig.tight_layout()

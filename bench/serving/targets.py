@@ -61,7 +61,8 @@ def traffic_of(r: dict) -> tuple:
 
 def describe(traffic: tuple) -> str:
     model, card, skew, rate, phases, num, seed = traffic
-    load = ("phases " + ",".join(f"{p:g}:{n}" for p, n in phases)) if phases else f"{rate:g} req/s x {num}"
+    load = ("phases " + ",".join(f"{p:g}:{n}" for p, n in phases)) if phases else (
+        f"all at once x {num}" if rate == float("inf") else f"{rate:g} req/s x {num}")
     return (f"{card:g} GB, {'Qwen3-30B-A3B' if model == 'q3' else 'Qwen1.5-MoE'}, "
             f"{'skewed' if skew else 'uniform'}, {load}" + (f", seed {seed}" if seed != 1 else ""))
 

@@ -257,6 +257,30 @@ def _cells(row: str) -> list[str]:
     return [c.strip() for c in row.strip().strip("|").split(" | ")]
 
 
+def test_all_at_once_runs_pair_with_their_own_traffic(tmp_path):
+    """RATE=inf (h200.sh's NAME_rinf: every request sent at once) is a traffic of its own: its
+    runs pair with each other, never with a finite rate's, the table says "all at once", and
+    the rate plot puts it one step past the largest finite rate under that label."""
+    targets, report = _serving_module("targets"), _serving_module("report")
+    inf = float("inf")
+    rs = [_run("off32-skew_rinf", 32, 1200.0, rate=inf, skew=1, ttft=30_000, running=33, queued=460),
+          _run("static32-skew_rinf", 32, 1700.0, rate=inf, skew=1),
+          _run("elastic32-skew_rinf", 32, 2300.0, rate=inf, skew=1, ttft=9_000, running=80),
+          _run("off32-skew_r20", 32, 1000.0, rate=20, skew=1, ttft=10_000, running=30, queued=200),
+          _run("elastic32-skew_r20", 32, 1450.0, rate=20, skew=1, ttft=800, running=74)]
+    assert report.baseline_for(rs[2], "off32-skew") == "off32-skew_rinf"
+    table = targets.targets_table(rs, 3.75, tmp_path / "missing.json")
+    tput = _rows(table, "32 GB Qwen1.5: throughput >= 1.3x plain (skewed), 1.15x (uniform)")
+    assert [_cells(r)[1:5] for r in tput] == [
+        ["32 GB, Qwen1.5-MoE, skewed, 20 req/s x 500", "elastic32-skew_r20 / off32-skew_r20", "1.45x", "**met**"],
+        ["32 GB, Qwen1.5-MoE, skewed, all at once x 500", "elastic32-skew_rinf / off32-skew_rinf", "1.92x",
+         "**met**"]]
+    [static] = _rows(table, "elastic >= 1.3x the best static budget")
+    assert "elastic32-skew_rinf / static32-skew_rinf (best of 2, plain as every expert resident) | 1.35x" in static
+    assert report.rate_positions([1.0, 20.0, inf]) == ([1.0, 20.0, 40.0], [1.0, 20.0, 40.0], ["1", "20", "all at once"])
+    assert report.rate_positions([1.0, 20.0]) == ([1.0, 20.0], [1.0, 20.0], ["1", "20"])
+
+
 def test_targets_pair_runs_by_traffic_and_take_the_best_baseline(tmp_path):
     """Issue 12's targets: each elastic run against plain SGLang on the same traffic (the
     same routing, rate, requests), against the best of several static budgets, with the
