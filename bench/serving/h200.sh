@@ -12,7 +12,8 @@ RATE=${RATE:-10}; NUM=${NUM:-500}; BUDGET=${BUDGET:-300}; SEED=${SEED:-1}  # the
 SKEW=${SKEW:-0}  # > 0: skewed dummy routers (bench/serving/skew); the run names get "-skew"
 PHASES=${PHASES:-}  # RATE:NUM,... : phased traffic (bench/serving/phases.py; overrides RATE and NUM; names get "_ph")
 CARD_CAP=${CARD_CAP:-}  # 1: torch's allocator held to the card in every server (run_one.py --card-cap; names get "_cap")
-# A rate other than the anchors' 10 req/s tags the name NAME_rRATE (report.py's rate plots;
+# A rate other than the anchors' 10 req/s tags the name NAME_rRATE (RATE=inf: every request sent
+# at once, bench_serving's saturation, NAME_rinf; report.py's rate plots;
 # the device tool returns no file whose name holds '@').
 # RANKING=FILE: pool-mode runs rank experts by it (--rimuru-expert-ranking); the run
 # "rank" ("q3rank": the Qwen3-30B-A3B shape) measures one (python -m sglang_rimuru.rank,

@@ -89,6 +89,18 @@ def table(results: list[dict]) -> str:
 RATE_SUFFIX = re.compile(r"_r(?:[0-9.]+|inf)$")
 
 
+def rate_series(results: list[dict]) -> dict[str, list[dict]]:
+    """The rate plot's lines: each system's finished runs (names without their ``_rRATE``),
+    for systems run at more than one rate. A phased run has no one rate to plot at; a run
+    stopped at its budget has no bench_serving throughput or TTFT (the rate a log gives it is
+    another measure, for the tables only)."""
+    by_system = defaultdict(list)
+    for r in results:
+        if r.get("rate") is not None and "output_throughput" in r.get("bench", {}):
+            by_system[RATE_SUFFIX.sub("", r["name"])].append(r)
+    return {s: rs for s, rs in by_system.items() if len({r["rate"] for r in rs}) > 1}
+
+
 def rate_positions(rates: list[float]) -> tuple[list[float], list[float], list[str]]:
     """x positions for the rate plots, and their ticks: a finite rate at itself, ``inf`` (all at
     once) one step past the largest finite rate (twice it), labelled so."""
@@ -257,11 +269,7 @@ def plots(results: list[dict], out: Path, step_ms: float | None = None, lens: Pa
         fig.savefig(path, dpi=120)
         plt.close(fig)
         made.append(path)
-    by_system = defaultdict(list)
-    for r in results:
-        if r.get("rate") is not None:  # a phased run has no one rate to plot at
-            by_system[RATE_SUFFIX.sub("", r["name"])].append(r)
-    by_system = {s: rs for s, rs in by_system.items() if len({r["rate"] for r in rs}) > 1}
+    by_system = rate_series(results)
     if by_system:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
         every = sorted({r["rate"] for rs in by_system.values() for r in rs})

@@ -277,6 +277,11 @@ def test_all_at_once_runs_pair_with_their_own_traffic(tmp_path):
          "**met**"]]
     [static] = _rows(table, "elastic >= 1.3x the best static budget")
     assert "elastic32-skew_rinf / static32-skew_rinf (best of 2, plain as every expert resident) | 1.35x" in static
+    # the rate plot: one line a system over its finished runs; the stopped uniform run is no point
+    stopped = _run("elastic32_rinf", 32, rate=inf, pass_rate=1300.0)
+    series = report.rate_series([*rs, stopped, _run("elastic32", 32, 1010.0)])
+    assert {s: [r["name"] for r in runs] for s, runs in series.items()} == {
+        "off32-skew": ["off32-skew_rinf", "off32-skew_r20"], "elastic32-skew": ["elastic32-skew_rinf", "elastic32-skew_r20"]}
     assert report.rate_positions([1.0, 20.0, inf]) == ([1.0, 20.0, 40.0], [1.0, 20.0, 40.0], ["1", "20", "all at once"])
     assert report.rate_positions([1.0, 20.0]) == ([1.0, 20.0], [1.0, 20.0], ["1", "20"])
 
