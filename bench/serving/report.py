@@ -106,8 +106,9 @@ def rate_positions(rates: list[float]) -> tuple[list[float], list[float], list[s
     once) one step past the largest finite rate (twice it), labelled so."""
     top = max([r for r in rates if r != float("inf")], default=10.0)
     xs = [2 * top if r == float("inf") else r for r in rates]
-    ticks = sorted(set(xs))
-    return xs, ticks, ["all at once" if t == 2 * top and float("inf") in rates else f"{t:g}" for t in ticks]
+    label = {x: "all at once" if r == float("inf") else f"{r:g}" for r, x in zip(rates, xs)}
+    ticks = sorted(label)
+    return xs, ticks, [label[t] for t in ticks]
 
 
 def baseline_for(r: dict, baseline: str) -> str:
@@ -272,7 +273,8 @@ def plots(results: list[dict], out: Path, step_ms: float | None = None, lens: Pa
     by_system = rate_series(results)
     if by_system:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
-        every = sorted({r["rate"] for rs in by_system.values() for r in rs})
+        # every run's rate has a place: the ceiling below is drawn at each, plotted line or not
+        every = sorted({r["rate"] for r in results if r.get("rate") is not None})
         xs, ticks, labels = rate_positions(every)
         x_of = dict(zip(every, xs))
         for system, rs in sorted(by_system.items()):
@@ -285,7 +287,7 @@ def plots(results: list[dict], out: Path, step_ms: float | None = None, lens: Pa
             for r in results:
                 f = floor_of(r, step_ms, lens)
                 if f is not None:
-                    ceil[x_of.get(r["rate"], r["rate"])] = f.ceiling_tok_s
+                    ceil[x_of[r["rate"]]] = f.ceiling_tok_s
             if ceil:
                 a1.plot(sorted(ceil), [ceil[k] for k in sorted(ceil)], color="grey", linestyle="--",
                         marker="x", label=f"the traffic's ceiling (step {step_ms:g} ms)")
