@@ -158,6 +158,20 @@ MODELS: dict[str, ModelSpec] = {
             eos_token="<|im_end|>",
         ),
         ModelSpec(
+            name="tiny-qwen3-moe-q3-ratio-tp2",
+            kind="tiny",
+            architecture="Qwen3MoeForCausalLM",
+            description="random Qwen3-MoE, 2 layers, 8 experts top-2; at --tp-size 2 each rank's expert "
+            "page / KV token = 32, as Qwen3-30B-A3B's at TP=2 (16,384 / 512 B; 1.5 MiB / 48 KiB)",
+            # twice the KV heads and expert width of tiny-qwen3-moe-q3-ratio, so that one TP=2
+            # rank's shard has its bytes: the real model keeps its ratio at TP=2, the 1-head tiny
+            # one would not (its KV head is replicated, its experts halved)
+            config=dict(_TINY_COMMON, num_key_value_heads=2, head_dim=64, moe_intermediate_size=256,
+                        norm_topk_prob=True),
+            tokenizer="bytes",
+            eos_token="<|im_end|>",
+        ),
+        ModelSpec(
             name="qwen1.5-moe-a2.7b",
             kind="shape",
             architecture="Qwen2MoeForCausalLM",

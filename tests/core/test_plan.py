@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 
 from sglang_rimuru.config import RimuruConfig
+from sglang_rimuru.models import get_spec
 from sglang_rimuru.plan import GIB, ModelFacts, PlanError, check_host_memory, plan_pool
 
 TINY = {
@@ -70,6 +73,40 @@ def test_qwen15_pages_do_not_divide():
     assert plan.kv_pages_per_expert_page == 28  # 29.33 fit on average; 28 in every page
     assert plan.pool_bytes is None  # sized on the GPU from SGLang's KV budget
     assert plan_pool(ModelFacts.from_config(QWEN15), STATIC, tp_size=2).expert_page_bytes == 2048 * 704 * 2
+
+
+@pytest.mark.parametrize(
+    "tiny, real, tp_size",
+    [
+        ("tiny-qwen2-moe-q15-ratio", "qwen1.5-moe-a2.7b", 1),
+        ("tiny-qwen3-moe-q3-ratio", "qwen3-30b-a3b", 1),
+        ("tiny-qwen3-moe-q3-ratio-tp2", "qwen3-30b-a3b", 2),
+    ],
+)
+def test_ratio_models_have_a_real_models_page_geometry_on_each_rank(tiny, real, tp_size):
+    """The tiny "-ratio" models stand in for a real shape in the server tests
+    (tests/server/test_real_geometry.py): one TP rank's expert page over its KV token
+    must be the real model's, so the pool's KV slots per page and its holes are too."""
+    def plan(name):
+        return plan_pool(ModelFacts.from_config(get_spec(name).config), STATIC, tp_size=tp_size)
+
+    small, big = plan(tiny), plan(real)
+    assert Fraction(small.expert_page_bytes, small.token_bytes) == Fraction(big.expert_page_bytes, big.token_bytes)
+    assert small.kv_pages_per_expert_page == big.kv_pages_per_expert_page
+    if tiny.endswith("-tp2"):  # one rank of Qwen3-30B-A3B: 1.5 MiB pages, 48 KiB tokens
+        assert (big.expert_page_bytes, big.token_bytes) == (2048 * 384 * 2, 48 * 2 * 2 * 128 * 2)
+        assert (small.expert_page_bytes, small.token_bytes) == (16_384, 512)
+
+
+def test_a_one_kv_head_ratio_model_loses_its_ratio_at_tp2():
+    """Why tiny-qwen3-moe-q3-ratio-tp2 exists: at TP=2 the 1-head model's KV head is
+    replicated while its experts are halved, so its ratio halves; the real model's does not."""
+    def ratio(name):
+        plan = plan_pool(ModelFacts.from_config(get_spec(name).config), STATIC, tp_size=2)
+        return Fraction(plan.expert_page_bytes, plan.token_bytes)
+
+    assert ratio("tiny-qwen3-moe-q3-ratio") == 16
+    assert ratio("qwen3-30b-a3b") == ratio("tiny-qwen3-moe-q3-ratio-tp2") == 32
 
 
 @pytest.mark.parametrize(

@@ -16,20 +16,23 @@ Static: half of each layer's experts offloaded. Elastic: no residency flag and
 a pool too small for every expert, so the server starts with the experts that
 fit (the rest spread over layers), a burst evicts more, and the quiet period
 brings them back. Greedy ids must equal mode off throughout (up to a bf16
-near-tie another batch tipped: ``tests.conftest.TIE_LOGPROB_GAP``).
+near-tie another batch tipped: ``tests.conftest.TIE_LOGPROB_GAP``). At
+``--tp-size 2`` (issue 14) a rank holds shards: tiny-qwen3-moe-q3-ratio-tp2 has
+Qwen3-30B-A3B's per-rank ratio there, and both ranks must write the same orders.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import re
+import time
 
 import pytest
 
 from sglang_rimuru.models import ensure_model
 from tests.conftest import (assert_all_greedy_equal_up_to_ties, assert_greedy_equal_up_to_ties,
                             greedy_ids_or_reference, start_server)
-from tests.server.test_elastic import read_trace, wait_all_resident
+from tests.server.test_elastic import read_trace
 
 pytestmark = pytest.mark.server
 
@@ -104,3 +107,69 @@ def test_pool_modes_at_real_geometry_keep_kv_ids_in_bounds(tmp_path, model_dir, 
         assert "Traceback" not in elastic.log()
     finally:
         elastic.stop()
+
+
+def test_pool_modes_at_tp2_real_geometry_keep_kv_ids_in_bounds_and_the_ranks_agree(tmp_path, model_dir):
+    """Issue 14's shape on CPU: Qwen3-30B-A3B's per-rank ratio at ``--tp-size 2`` (each
+    rank's pool holds its shards: 16,384 B pages over 512 B of KV a token, as 1.5 MiB over
+    48 KiB), SGLang's KV bounds checked on every write and the pool's invariants after every
+    order, on both ranks. Static and elastic greedy ids equal mode off's at TP=2; elastic's
+    two ranks write the same orders, resident sets and all."""
+    path = str(ensure_model("tiny-qwen3-moe-q3-ratio-tp2", cache_dir=model_dir))
+    base = ["--model-path", path, *BASE, "--tp-size", "2"]
+    off = start_server([*base, "--max-total-tokens", "4096"], tmp_path / "off.log")
+    try:
+        expected = workload(off, reference=True)
+    finally:
+        off.stop()
+
+    static = start_server([*base, *STATIC], tmp_path / "static.log", env=CHECKED)
+    try:
+        matches(workload(static), expected)
+        log = static.log()
+        assert "Traceback" not in log
+    finally:
+        static.stop()
+    pools = re.findall(r"\[[^\]]* TP(\d)\] sglang-rimuru static pool: (.*)", log)
+    assert sorted(rank for rank, _ in pools) == ["0", "1"] and pools[0][1] == pools[1][1], pools
+
+    # one rank's pool: the page arithmetic of ELASTIC_POOL's q3 entry (same page bytes a rank)
+    pool_gb, at_start = ELASTIC_POOL["tiny-qwen3-moe-q3-ratio"]
+    trace = tmp_path / "trace.jsonl"
+    elastic = start_server(
+        [*base, "--rimuru-mode", "elastic", "--rimuru-expert-offload-limit", "4", "--rimuru-load-buffer-slots", "4",
+         "--rimuru-pool-gb", f"{pool_gb + 1e-9:.9f}", "--rimuru-adjuster-trace", str(trace)],
+        tmp_path / "elastic.log", env=CHECKED)
+    try:
+        started = re.findall(r"TP(\d)\] sglang-rimuru elastic pool: [\d.]+ GiB in 66 expert pages of 16384 B; "
+                             r"(\d+) resident experts", elastic.log())
+        assert sorted(started) == [("0", str(at_start)), ("1", str(at_start))], elastic.log()[-3000:]
+        matches(workload(elastic), expected)
+        matches(workload(elastic), expected)  # still serving after the split moved
+        rank0, rank1 = quiet_traces(trace, tmp_path / "trace.jsonl.tp1")
+        assert "Traceback" not in elastic.log()
+    finally:
+        elastic.stop()
+    assert any(line["evicted"] for line in rank0) and any(line["restored"] for line in rank0), rank0[-3:]
+    strip = lambda lines: [(x["seq"], x["evicted"], x["restored"], x["resident_sets"]) for x in lines]  # noqa: E731
+    assert strip(rank1) == strip(rank0)
+    for line in rank0:  # evictions spread over layers, within the offload limit, on both ranks
+        out = [8 - len(experts) for experts in line["resident_sets"].values()]
+        assert max(out) - min(out) <= 1 and max(out) <= 4, line
+
+
+def quiet_traces(*paths, quiet_s: float = 3.0, timeout: float = 60.0) -> list[list[dict]]:
+    """Each rank's trace once none has grown for ``quiet_s`` (the pool has settled: the
+    idle server's split moves no more)."""
+    deadline = time.time() + timeout
+    last, since = None, time.time()
+    while True:
+        traces = [read_trace(p) for p in paths]
+        sizes = [len(t) for t in traces]
+        if sizes != last:
+            last, since = sizes, time.time()
+        elif time.time() - since >= quiet_s:
+            return traces
+        if time.time() > deadline:
+            raise AssertionError(f"the traces kept growing for {timeout}s: {sizes} lines")
+        time.sleep(0.5)
