@@ -93,6 +93,18 @@ _TINY_COMMON: dict[str, Any] = dict(
     mlp_only_layers=[],
 )
 
+# Qwen3-30B-A3B's expert page / KV token in a tiny model (the "-ratio" models: below)
+_Q3_RATIO = ModelSpec(
+    name="tiny-qwen3-moe-q3-ratio",
+    kind="tiny",
+    architecture="Qwen3MoeForCausalLM",
+    description="random Qwen3-MoE, 2 layers, 8 experts top-2; expert page / KV token = 32, "
+    "as Qwen3-30B-A3B (16,384 / 512 B)",
+    config=dict(_TINY_COMMON, num_key_value_heads=1, head_dim=64, moe_intermediate_size=128, norm_topk_prob=True),
+    tokenizer="bytes",
+    eos_token="<|im_end|>",
+)
+
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
@@ -146,30 +158,16 @@ MODELS: dict[str, ModelSpec] = {
             tokenizer="bytes",
             eos_token="<|im_end|>",
         ),
-        ModelSpec(
-            name="tiny-qwen3-moe-q3-ratio",
-            kind="tiny",
-            architecture="Qwen3MoeForCausalLM",
-            description="random Qwen3-MoE, 2 layers, 8 experts top-2; expert page / KV token = 32, "
-            "as Qwen3-30B-A3B (16,384 / 512 B)",
-            config=dict(_TINY_COMMON, num_key_value_heads=1, head_dim=64, moe_intermediate_size=128,
-                        norm_topk_prob=True),
-            tokenizer="bytes",
-            eos_token="<|im_end|>",
-        ),
-        ModelSpec(
+        _Q3_RATIO,
+        # twice the KV heads and expert width of tiny-qwen3-moe-q3-ratio, so that one TP=2
+        # rank's shard has its bytes: the real model keeps its ratio at TP=2, the 1-head tiny
+        # one would not (its KV head is replicated, its experts halved)
+        dataclasses.replace(
+            _Q3_RATIO,
             name="tiny-qwen3-moe-q3-ratio-tp2",
-            kind="tiny",
-            architecture="Qwen3MoeForCausalLM",
             description="random Qwen3-MoE, 2 layers, 8 experts top-2; at --tp-size 2 each rank's expert "
             "page / KV token = 32, as Qwen3-30B-A3B's at TP=2 (16,384 / 512 B; 1.5 MiB / 48 KiB)",
-            # twice the KV heads and expert width of tiny-qwen3-moe-q3-ratio, so that one TP=2
-            # rank's shard has its bytes: the real model keeps its ratio at TP=2, the 1-head tiny
-            # one would not (its KV head is replicated, its experts halved)
-            config=dict(_TINY_COMMON, num_key_value_heads=2, head_dim=64, moe_intermediate_size=256,
-                        norm_topk_prob=True),
-            tokenizer="bytes",
-            eos_token="<|im_end|>",
+            config=dict(_Q3_RATIO.config, num_key_value_heads=2, moe_intermediate_size=256),
         ),
         ModelSpec(
             name="qwen1.5-moe-a2.7b",

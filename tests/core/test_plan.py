@@ -75,6 +75,11 @@ def test_qwen15_pages_do_not_divide():
     assert plan_pool(ModelFacts.from_config(QWEN15), STATIC, tp_size=2).expert_page_bytes == 2048 * 704 * 2
 
 
+def rank_plan(model: str, tp_size: int):
+    """One TP rank's static plan for a model of ``sglang_rimuru.models`` (its spec's config)."""
+    return plan_pool(ModelFacts.from_config(get_spec(model).config), STATIC, tp_size=tp_size)
+
+
 @pytest.mark.parametrize(
     "tiny, real, tp_size",
     [
@@ -87,10 +92,7 @@ def test_ratio_models_have_a_real_models_page_geometry_on_each_rank(tiny, real, 
     """The tiny "-ratio" models stand in for a real shape in the server tests
     (tests/server/test_real_geometry.py): one TP rank's expert page over its KV token
     must be the real model's, so the pool's KV slots per page and its holes are too."""
-    def plan(name):
-        return plan_pool(ModelFacts.from_config(get_spec(name).config), STATIC, tp_size=tp_size)
-
-    small, big = plan(tiny), plan(real)
+    small, big = rank_plan(tiny, tp_size), rank_plan(real, tp_size)
     assert Fraction(small.expert_page_bytes, small.token_bytes) == Fraction(big.expert_page_bytes, big.token_bytes)
     assert small.kv_pages_per_expert_page == big.kv_pages_per_expert_page
     if tiny.endswith("-tp2"):  # one rank of Qwen3-30B-A3B: 1.5 MiB pages, 48 KiB tokens
@@ -102,7 +104,7 @@ def test_a_one_kv_head_ratio_model_loses_its_ratio_at_tp2():
     """Why tiny-qwen3-moe-q3-ratio-tp2 exists: at TP=2 the 1-head model's KV head is
     replicated while its experts are halved, so its ratio halves; the real model's does not."""
     def ratio(name):
-        plan = plan_pool(ModelFacts.from_config(get_spec(name).config), STATIC, tp_size=2)
+        plan = rank_plan(name, 2)
         return Fraction(plan.expert_page_bytes, plan.token_bytes)
 
     assert ratio("tiny-qwen3-moe-q3-ratio") == 16

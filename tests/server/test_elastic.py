@@ -52,6 +52,11 @@ def read_trace(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def orders(lines: list[dict]) -> list[tuple]:
+    """What every TP rank's trace must share, line for line: each order and what it left resident."""
+    return [(x["seq"], x["evicted"], x["restored"], x["resident_sets"]) for x in lines]
+
+
 def wait_all_resident(trace_path, total: int, timeout: float = 60.0) -> list[dict]:
     """The trace once its last line shows every expert resident again."""
     deadline = time.time() + timeout
@@ -183,8 +188,7 @@ def test_elastic_tp2_ranks_hold_the_same_experts_after_every_round(tmp_path, mod
 
     assert len(outs) == len(BURST) and all(len(o) == 24 for o in outs)
     assert min(line["resident"] for line in rank0) == 8
-    strip = lambda lines: [(x["seq"], x["evicted"], x["restored"], x["resident_sets"]) for x in lines]  # noqa: E731
-    assert strip(rank1)[: len(rank0)] == strip(rank0)
+    assert orders(rank1)[: len(rank0)] == orders(rank0)
 
 
 #: test only, put first on the server's PYTHONPATH: TP rank 1's adjuster sees twice the KV

@@ -32,7 +32,8 @@ import pytest
 from sglang_rimuru.models import ensure_model
 from tests.conftest import (assert_all_greedy_equal_up_to_ties, assert_greedy_equal_up_to_ties,
                             greedy_ids_or_reference, start_server)
-from tests.server.test_elastic import read_trace
+from tests.server.test_elastic import orders, read_trace
+from tests.server.test_static_pool import assert_both_ranks_built_one_pool
 
 pytestmark = pytest.mark.server
 
@@ -51,6 +52,21 @@ ELASTIC_POOL = {
     "tiny-qwen2-moe-q15-ratio": (153 * 45_056 / (1 << 30), 42),
     "tiny-qwen3-moe-q3-ratio": (66 * 16_384 / (1 << 30), 13),
 }
+
+
+def elastic_flags(pool_gb: float, trace) -> list[str]:
+    """Elastic in a pool of ``pool_gb`` (one rank's; ELASTIC_POOL), offload limit 4, with a trace."""
+    return ["--rimuru-mode", "elastic", "--rimuru-expert-offload-limit", "4",
+            "--rimuru-load-buffer-slots", "4",  # the page arithmetic above (the default would size them to 0)
+            "--rimuru-pool-gb", f"{pool_gb + 1e-9:.9f}", "--rimuru-adjuster-trace", str(trace)]
+
+
+def assert_spread(lines: list[dict]) -> None:
+    """Evictions spread over layers (none has two more out than another), within the offload limit."""
+    for line in lines:
+        out = [8 - len(experts) for experts in line["resident_sets"].values()]
+        assert max(out) - min(out) <= 1, line
+        assert max(out) <= 4, line  # the offload limit
 
 
 def workload(srv, reference: bool = False) -> dict:
@@ -86,11 +102,8 @@ def test_pool_modes_at_real_geometry_keep_kv_ids_in_bounds(tmp_path, model_dir, 
 
     pool_gb, at_start = ELASTIC_POOL[model]
     trace = tmp_path / "trace.jsonl"
-    elastic = start_server(
-        ["--model-path", path, *BASE, "--rimuru-mode", "elastic", "--rimuru-expert-offload-limit", "4",
-         "--rimuru-load-buffer-slots", "4",  # the page arithmetic above (the default would size them to 0)
-         "--rimuru-pool-gb", f"{pool_gb + 1e-9:.9f}", "--rimuru-adjuster-trace", str(trace)],
-        tmp_path / "elastic.log", env=CHECKED)
+    elastic = start_server(["--model-path", path, *BASE, *elastic_flags(pool_gb, trace)], tmp_path / "elastic.log",
+                           env=CHECKED)
     try:
         log = elastic.log()
         started = re.search(r"sglang-rimuru elastic pool: .*?; (\d+) resident experts \(([\d-]+) of 8 per layer", log)
@@ -99,10 +112,7 @@ def test_pool_modes_at_real_geometry_keep_kv_ids_in_bounds(tmp_path, model_dir, 
         matches(workload(elastic), expected)
         lines = read_trace(trace)
         assert any(line["evicted"] for line in lines), lines[-3:]
-        for line in lines:  # evictions spread over layers: none has two more out than another
-            out = [8 - len(experts) for experts in line["resident_sets"].values()]
-            assert max(out) - min(out) <= 1, line
-            assert max(out) <= 4, line  # the offload limit
+        assert_spread(lines)
         matches(workload(elastic), expected)  # still serving after the split moved
         assert "Traceback" not in elastic.log()
     finally:
@@ -130,16 +140,12 @@ def test_pool_modes_at_tp2_real_geometry_keep_kv_ids_in_bounds_and_the_ranks_agr
         assert "Traceback" not in log
     finally:
         static.stop()
-    pools = re.findall(r"\[[^\]]* TP(\d)\] sglang-rimuru static pool: (.*)", log)
-    assert sorted(rank for rank, _ in pools) == ["0", "1"] and pools[0][1] == pools[1][1], pools
+    assert_both_ranks_built_one_pool(log, "static")
 
     # one rank's pool: the page arithmetic of ELASTIC_POOL's q3 entry (same page bytes a rank)
     pool_gb, at_start = ELASTIC_POOL["tiny-qwen3-moe-q3-ratio"]
     trace = tmp_path / "trace.jsonl"
-    elastic = start_server(
-        [*base, "--rimuru-mode", "elastic", "--rimuru-expert-offload-limit", "4", "--rimuru-load-buffer-slots", "4",
-         "--rimuru-pool-gb", f"{pool_gb + 1e-9:.9f}", "--rimuru-adjuster-trace", str(trace)],
-        tmp_path / "elastic.log", env=CHECKED)
+    elastic = start_server([*base, *elastic_flags(pool_gb, trace)], tmp_path / "elastic.log", env=CHECKED)
     try:
         started = re.findall(r"TP(\d)\] sglang-rimuru elastic pool: [\d.]+ GiB in 66 expert pages of 16384 B; "
                              r"(\d+) resident experts", elastic.log())
@@ -151,11 +157,8 @@ def test_pool_modes_at_tp2_real_geometry_keep_kv_ids_in_bounds_and_the_ranks_agr
     finally:
         elastic.stop()
     assert any(line["evicted"] for line in rank0) and any(line["restored"] for line in rank0), rank0[-3:]
-    strip = lambda lines: [(x["seq"], x["evicted"], x["restored"], x["resident_sets"]) for x in lines]  # noqa: E731
-    assert strip(rank1) == strip(rank0)
-    for line in rank0:  # evictions spread over layers, within the offload limit, on both ranks
-        out = [8 - len(experts) for experts in line["resident_sets"].values()]
-        assert max(out) - min(out) <= 1 and max(out) <= 4, line
+    assert orders(rank1) == orders(rank0)
+    assert_spread(rank0)  # and so on rank 1, whose resident sets are the same
 
 
 def quiet_traces(*paths, quiet_s: float = 3.0, timeout: float = 60.0) -> list[list[dict]]:

@@ -194,9 +194,15 @@ def test_static_mode_with_tensor_parallel_2(tmp_path, model_dir):
     finally:
         static.stop()
     assert got == expected
-    pools = re.findall(r"\[[^\]]* TP(\d)\] sglang-rimuru static pool: (.*)", log)
-    assert sorted(rank for rank, _ in pools) == ["0", "1"]
-    assert pools[0][1] == pools[1][1]  # both ranks sized and filled their pools the same way
+    assert_both_ranks_built_one_pool(log, "static")
+
+
+def assert_both_ranks_built_one_pool(log: str, mode: str) -> None:
+    """TP ranks 0 and 1 each logged their pool, and the two lines match: both ranks sized
+    and filled their pools the same way."""
+    pools = re.findall(rf"\[[^\]]* TP(\d)\] sglang-rimuru {mode} pool: (.*)", log)
+    assert sorted(rank for rank, _ in pools) == ["0", "1"], pools
+    assert pools[0][1] == pools[1][1], pools
 
 
 def test_dummy_weights_serve_alike_in_static_mode(tmp_path, model_dir):
