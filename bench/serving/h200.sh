@@ -12,6 +12,9 @@ RATE=${RATE:-10}; NUM=${NUM:-500}; BUDGET=${BUDGET:-300}; SEED=${SEED:-1}  # the
 SKEW=${SKEW:-0}  # > 0: skewed dummy routers (bench/serving/skew); the run names get "-skew"
 PHASES=${PHASES:-}  # RATE:NUM,... : phased traffic (bench/serving/phases.py; overrides RATE and NUM; names get "_ph")
 CARD_CAP=${CARD_CAP:-}  # 1: torch's allocator held to the card in every server (run_one.py --card-cap; names get "_cap")
+# EXTRA: more server flags for every run of the call, e.g. EXTRA="--decode-log-interval 10" (SGLang's
+# decode log line every 10 steps instead of 40: a server stopped at its budget leaves more lines)
+EXTRA=${EXTRA:-}
 # A rate other than the anchors' 10 req/s tags the name NAME_rRATE (RATE=inf: every request sent
 # at once, bench_serving's saturation, NAME_rinf; report.py's rate plots;
 # the device tool returns no file whose name holds '@').
@@ -41,7 +44,7 @@ one() {  # one NAME CARD_GB MODEL -- FLAGS...
     timeout $(( BUDGET + start )) python3 bench/serving/run_one.py --name "$name" --model /tmp/models/$model \
         --card-gb "$card" --rate "$RATE" --num-prompts "$NUM" --seed "$SEED" --out "$OUT" --budget-s "$BUDGET" --skew "$SKEW" \
         ${PHASES:+--phases "$PHASES"} ${CARD_CAP:+--card-cap} \
-        --dataset .devdata/sharegpt_1000_seed1_ctx8192.json.gz -- "$@" 2>&1 | grep -av "Warning\|warn(" | tail -3
+        --dataset .devdata/sharegpt_1000_seed1_ctx8192.json.gz -- "$@" $EXTRA 2>&1 | grep -av "Warning\|warn(" | tail -3
 }
 # staticCCrN: static on a CC GB card with N of 60 experts resident per layer (the sweep).
 # Ablation on the 32 GB card: static32 (the pool alone, a fixed split), elastic32copy

@@ -72,6 +72,19 @@ def card_fraction(card_gib: float, total_mib: float = H200_MIB) -> float:
     return round(0.886 * card_gib * 1024 / total_mib, 4)
 
 
+def this_gpu() -> dict:
+    """The first GPU's name and total MiB by nvidia-smi: the card rule's denominator, so that
+    an H100 lent for the H200 (81,559 MiB) emulates the same card. Without nvidia-smi (a CPU
+    dry run) the H200's, as every run before this was."""
+    try:
+        line = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()[0]
+        name, total = (x.strip() for x in line.rsplit(",", 1))
+        return {"name": name, "total_mib": int(total)}
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return {"name": None, "total_mib": H200_MIB}
+
+
 def tree_rss_mib(pid: int) -> int:
     """Resident host memory of process ``pid`` and its children (page-locked expert
     weights are resident), MiB; 0 if it is gone (or psutil is missing)."""
@@ -435,8 +448,9 @@ def main() -> None:
 
     flags = ["--model-path", args.model, "--load-format", "dummy", "--chunked-prefill-size", "2048",
              "--cuda-graph-max-bs", str(args.cuda_graph_max_bs), *args.device_flags.split()]
+    gpu = this_gpu()
     if "--mem-fraction-static" not in server_args and args.card_gb > 0:
-        flags += ["--mem-fraction-static", str(card_fraction(args.card_gb))]
+        flags += ["--mem-fraction-static", str(card_fraction(args.card_gb, gpu["total_mib"]))]
     trace = out / f"{args.name}_trace.jsonl"
     if wants_trace(server_args):
         flags += ["--rimuru-adjuster-trace", str(trace)]
@@ -485,7 +499,7 @@ def main() -> None:
         # the server code this run ran (code_digest.py: the device has no .git to name a commit)
         "code_digest": tree_digest(), "model": Path(args.model).name,
         # a phased run has no one rate (report.py leaves it out of rate plots and traffic floors)
-        "fraction": card_fraction(args.card_gb), "rate": None if args.phases else args.rate,
+        "gpu": gpu, "fraction": card_fraction(args.card_gb, gpu["total_mib"]), "rate": None if args.phases else args.rate,
         "num_prompts": num_prompts, "seed": args.seed,
         **({"phases": [phase_summary(rate, num, r) for (rate, num), r in zip(phases, results)]} if args.phases else {}),
         "ready_s": round(ready_s, 1), "traffic_s": round(traffic_s, 1), "stopped_at_budget": stopped, "cut": cut,
