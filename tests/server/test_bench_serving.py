@@ -780,3 +780,44 @@ def test_run_one_at_tp2_on_cpu_sets_the_ranks_traces_side_by_side(tmp_path, mode
     assert rep.returncode == 0, rep.stderr
     rounds = " / ".join(map(str, tt["rounds"]))
     assert f"| tp2elastic_cpu | 2 | - / 0 | - | {rounds} | yes, {tt['compared']} lines |" in rep.stdout
+
+
+def test_the_offload_sweep_trades_more_copies_a_pass_for_more_kv(monkeypatch):
+    """SGLang's offloader copies every offloaded byte each pass, so a setting's estimate is
+    the measured rate times the batch its KV admits over the bytes it copies; the batch stops
+    at the traffic's requests, and a run without --cpu-offload-gb is refused by name."""
+    sweep_mod = _serving_module("offload_sweep")
+    kv_token = sweep_mod.kv_bytes_per_token("qwen1.5-moe-a2.7b")
+    assert kv_token == 24 * 16 * 128 * 2 * 2  # 196,608 B: 24 layers, 16 KV heads of 128, K and V, bf16
+    assert sweep_mod.kv_bytes_per_token("qwen3-30b-a3b") == 48 * 4 * 128 * 2 * 2
+    run = {"name": "offload24", "model": "q15", "num_prompts": 150, "server_args": ["--cpu-offload-gb", "8"],
+           "log": {"kv_tokens": 13_000, "peak_running": 20, "gen_tok_s_mean": 100.0}}
+    res = sweep_mod.sweep(run, [4, 8, 16, 24])
+    rows = {r["gb"]: r for r in res["estimate"]}
+    assert res["kv_tokens_per_request"] == 650.0
+    assert rows[8] == {"gb": 8, "kv_tokens": 13_000, "running": 20.0, "tok_s": 100.0}
+    kv16 = 13_000 + 8 * 2**30 / kv_token  # 8 GiB more of KV: 43,690.67 tokens
+    assert rows[16]["kv_tokens"] == round(kv16) and rows[16]["running"] == round(kv16 / 650, 1)
+    assert rows[16]["tok_s"] == round(100.0 * (kv16 / 650) / 20 * 8 / 16, 1)
+    assert rows[24]["running"] == 150 and rows[24]["tok_s"] == round(100.0 * 150 / 20 * 8 / 24, 1)
+    assert rows[4] == {"gb": 4, "kv_tokens": 0, "running": 0, "tok_s": 0.0}  # 4 GiB back on the GPU: no KV left
+    assert res["best"]["gb"] == 24  # 250 tok/s: 7.5x the batch for 3x the bytes; 16 GiB: 4.37x for 2x
+    with pytest.raises(SystemExit, match="no --cpu-offload-gb"):
+        sweep_mod.sweep({**run, "server_args": []}, [8])
+
+
+def test_the_card_rule_divides_by_the_gpu_it_runs_on(monkeypatch):
+    """An H100 lent for the H200 emulates the same card: the fraction is the card over the
+    GPU's own total by nvidia-smi; without nvidia-smi, the H200's as before."""
+    run_one = _serving_module("run_one")
+    assert run_one.card_fraction(24, 81_559) == round(0.886 * 24 * 1024 / 81_559, 4) == 0.267
+    assert run_one.card_fraction(24) == 0.1515
+    monkeypatch.setattr(run_one.subprocess, "run", lambda *a, **k: SimpleNamespace(
+        stdout="NVIDIA H100 80GB HBM3, 81559\n"))
+    assert run_one.this_gpu() == {"name": "NVIDIA H100 80GB HBM3", "total_mib": 81_559}
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(run_one.subprocess, "run", missing)
+    assert run_one.this_gpu() == {"name": None, "total_mib": 143_771}
