@@ -35,20 +35,25 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sglang_rimuru.models.specs import get_spec  # noqa: E402
-from targets import rate_of  # noqa: E402
+from sglang_rimuru.models.specs import get_spec, moe_shape  # noqa: E402
 
 #: the run JSON's "model" (the folder bench/serving/h200.sh unpacks) -> the project's model spec
 MODELS = {"q15": "qwen1.5-moe-a2.7b", "q3": "qwen3-30b-a3b"}
 
 
-def kv_bytes_per_token(spec_name: str) -> int:
-    """K and V of every layer, bf16: what one token of SGLang's KV pool holds."""
-    hf = get_spec(spec_name).config
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    return hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * 2 * 2
+def shape_of(run: dict):
+    """The run's model shape (``MoeShape``: KV bytes a token, routed experts' bytes), by its
+    JSON's model or, for runs from before that field, its name (``targets.model_of``)."""
+    model = run.get("model") or ("q3" if run["name"].startswith("q3") else "q15")
+    return moe_shape(get_spec(MODELS[model]).config)
+
+
+def default_settings(run: dict) -> list[float]:
+    """The run's own setting and every 2 GiB up to the routed experts' GiB (SGLang offloads
+    whole layers' parameters in order; past the experts' bytes little is left to move)."""
+    top = int(shape_of(run).routed_expert_bytes / 2**30)
+    return sorted({offload_gb(run["server_args"]), *range(2, top + 1, 2)})
 
 
 def offload_gb(server_args: list[str]) -> float:
@@ -58,14 +63,16 @@ def offload_gb(server_args: list[str]) -> float:
     return float(server_args[server_args.index("--cpu-offload-gb") + 1])
 
 
-def sweep(run: dict, settings: list[float]) -> dict:
-    """The estimate for each of ``settings`` (GiB offloaded) from one measured offload run."""
+def sweep(run: dict, settings: list[float] | None = None) -> dict:
+    """The estimate for each of ``settings`` (GiB offloaded; default_settings') from one
+    measured offload run, and the best of them."""
+    settings = settings or default_settings(run)
     x0 = offload_gb(run["server_args"])
     log = run["log"]
     kv0, running0, tok_s0 = log["kv_tokens"], log["peak_running"], log["gen_tok_s_mean"]
     if not (kv0 and running0 and tok_s0):
         raise SystemExit(f"offload_sweep.py: {run['name']} lacks SGLang's KV size, peak running or decode log")
-    kv_token = kv_bytes_per_token(MODELS[run["model"]])
+    kv_token = shape_of(run).kv_bytes_per_token
     per_request = kv0 / running0  # the KV SGLang's admission gave each running request
     rows = []
     for x in settings:
@@ -83,16 +90,17 @@ def sweep(run: dict, settings: list[float]) -> dict:
 
 
 def main() -> None:
+    from targets import rate_of  # beside this script; targets.py imports this module
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run", help="an SGLang --cpu-offload-gb run's JSON (bench/serving/run_one.py)")
-    ap.add_argument("--gb", type=float, nargs="+", help="settings to estimate (default: 4 GiB steps up to 24)")
+    ap.add_argument("--gb", type=float, nargs="+", help="settings to estimate (default: the run's and every 2 GiB "
+                    "up to the routed experts' GiB)")
     ap.add_argument("--vs", nargs="*", default=[], help="pool runs' JSON on the same traffic")
     ap.add_argument("--out", help="write the numbers here (JSON)")
     args = ap.parse_args()
     run = json.loads(Path(args.run).read_text())
-    x0 = offload_gb(run["server_args"])
-    settings = sorted(set(args.gb or [x0, *range(4, 25, 4)]))
-    res = sweep(run, settings)
+    res = sweep(run, sorted(set(args.gb)) if args.gb else None)
     res["vs"] = []
     for path in args.vs:
         other = json.loads(Path(path).read_text())
