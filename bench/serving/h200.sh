@@ -15,6 +15,11 @@ CARD_CAP=${CARD_CAP:-}  # 1: torch's allocator held to the card in every server 
 # EXTRA: more server flags for every run of the call, e.g. EXTRA="--decode-log-interval 10" (SGLang's
 # decode log line every 10 steps instead of 40: a server stopped at its budget leaves more lines)
 EXTRA=${EXTRA:-}
+# this GPU's MiB: the denominator of every fraction below (run_one.py does the same), so that
+# an H100 lent for the H200 (81,559 MiB) emulates the same card
+TOTAL_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+TOTAL_MIB=${TOTAL_MIB:-143771}
+of_gpu() { python3 -c "print(round(min(0.9, ($1) / $TOTAL_MIB), 5))"; }  # MiB -> this GPU's fraction
 # A rate other than the anchors' 10 req/s tags the name NAME_rRATE (RATE=inf: every request sent
 # at once, bench_serving's saturation, NAME_rinf; report.py's rate plots;
 # the device tool returns no file whose name holds '@').
@@ -52,9 +57,9 @@ one() {  # one NAME CARD_GB MODEL -- FLAGS...
 # reads routing on the host, so no CUDA graphs), elastic32 (+ the paged kernel
 # reading offloaded experts in place from host pages, what lets decode run graphed).
 rank() {  # rank MODEL: the measured ranking of that shape (q15 or q3) under this SKEW
-    local model=$1 out="$OUT/ranking_$1_skew$SKEW.json" fraction=0.2019
+    local model=$1 out="$OUT/ranking_$1_skew$SKEW.json" fraction; fraction=$(of_gpu 29027)  # the 32 GB card's budget
     # routing does not depend on the budget: Qwen3-30B-A3B's 57 GiB need a larger one in mode off
-    [ "$model" = q3 ] && fraction=0.6
+    [ "$model" = q3 ] && fraction=$(of_gpu 86263)  # 0.6 of the H200: at most 0.9 of a smaller GPU
     python3 - > /tmp/rank_prompts.json <<'PY'
 import gzip, json
 convs = json.load(gzip.open(".devdata/sharegpt_1000_seed1_ctx8192.json.gz"))
@@ -96,7 +101,7 @@ for run in ${RUNS:-static32 elastic32}; do
     # ran out of memory at start under the card's cap, thirteenth session)
     q3offload32_*_less*) gb=${run#q3offload32_}; less=${gb#*_less}; gb=${gb%%_less*}
         one "$run" 32 q3 -- --cpu-offload-gb "$gb" \
-            --mem-fraction-static "$(python3 -c "print(round((0.886 * 32768 - $less) / 143771, 5))")" ;;
+            --mem-fraction-static "$(of_gpu "0.886 * 32768 - $less")" ;;
     q3offload32_*) gb=${run#q3offload32_}; one "$run" 32 q3 -- --cpu-offload-gb "$gb" ;;
     # the anchor with SGLang's mixed chunked prefill: the choice the pool modes make while experts are out
     q3offload32m) one q3offload32m 32 q3 -- --cpu-offload-gb 32 --enable-mixed-chunk ;;
