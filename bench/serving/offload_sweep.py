@@ -22,8 +22,8 @@ running and SGLang's decode-log tok/s; the model shape gives the KV bytes a toke
 
 This is an estimate to choose the settings to measure and to say how far a single
 setting can be from the best one; it is no measurement of them. ``--vs`` prints the
-pool runs' tok/s against each setting (pass record where it has one, else bench_serving,
-else the decode log: ``targets.py``'s order). Writes ``--out`` (JSON) and prints a table.
+pool runs' tok/s against the measured setting and the best estimate (``targets.rate_of``:
+bench_serving's where the run finished, else its pass record). Writes ``--out`` (JSON) and prints a table.
 No GPU, no SGLang.
 """
 
@@ -42,11 +42,17 @@ from sglang_rimuru.models.specs import get_spec, moe_shape  # noqa: E402
 MODELS = {"q15": "qwen1.5-moe-a2.7b", "q3": "qwen3-30b-a3b"}
 
 
+def model_of(r: dict) -> str:
+    """``q3`` (Qwen3-30B-A3B shape) or ``q15`` (Qwen1.5-MoE): the JSON's model (since
+    code_digest.py) or the name's prefix (older runs)."""
+    if r.get("model"):
+        return "q3" if r["model"] == "q3" else "q15"
+    return "q3" if r["name"].startswith("q3") else "q15"
+
+
 def shape_of(run: dict):
-    """The run's model shape (``MoeShape``: KV bytes a token, routed experts' bytes), by its
-    JSON's model or, for runs from before that field, its name (``targets.model_of``)."""
-    model = run.get("model") or ("q3" if run["name"].startswith("q3") else "q15")
-    return moe_shape(get_spec(MODELS[model]).config)
+    """The run's model shape (``MoeShape``: KV bytes a token, routed experts' bytes)."""
+    return moe_shape(get_spec(MODELS[model_of(run)]).config)
 
 
 def default_settings(run: dict) -> list[float]:

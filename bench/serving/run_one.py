@@ -449,8 +449,9 @@ def main() -> None:
     flags = ["--model-path", args.model, "--load-format", "dummy", "--chunked-prefill-size", "2048",
              "--cuda-graph-max-bs", str(args.cuda_graph_max_bs), *args.device_flags.split()]
     gpu = this_gpu()
+    fraction = card_fraction(args.card_gb, gpu["total_mib"])
     if "--mem-fraction-static" not in server_args and args.card_gb > 0:
-        flags += ["--mem-fraction-static", str(card_fraction(args.card_gb, gpu["total_mib"]))]
+        flags += ["--mem-fraction-static", str(fraction)]
     trace = out / f"{args.name}_trace.jsonl"
     if wants_trace(server_args):
         flags += ["--rimuru-adjuster-trace", str(trace)]
@@ -499,7 +500,7 @@ def main() -> None:
         # the server code this run ran (code_digest.py: the device has no .git to name a commit)
         "code_digest": tree_digest(), "model": Path(args.model).name,
         # a phased run has no one rate (report.py leaves it out of rate plots and traffic floors)
-        "gpu": gpu, "fraction": card_fraction(args.card_gb, gpu["total_mib"]), "rate": None if args.phases else args.rate,
+        "gpu": gpu, "fraction": fraction, "rate": None if args.phases else args.rate,
         "num_prompts": num_prompts, "seed": args.seed,
         **({"phases": [phase_summary(rate, num, r) for (rate, num), r in zip(phases, results)]} if args.phases else {}),
         "ready_s": round(ready_s, 1), "traffic_s": round(traffic_s, 1), "stopped_at_budget": stopped, "cut": cut,

@@ -31,17 +31,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from makespan import FASTEST_STEP_MS, LENS, floor_of_run
-from offload_sweep import offload_gb, sweep
+from offload_sweep import model_of, offload_gb, sweep
 
 SYSTEM = re.compile(r"^(?P<q3>q3)?(?P<system>offload|off|static|elastic)")
-
-
-def model_of(r: dict) -> str:
-    """``q3`` (Qwen3-30B-A3B shape) or ``q15`` (Qwen1.5-MoE): the JSON's model (since
-    code_digest.py) or the name's prefix (older runs)."""
-    if r.get("model"):
-        return "q3" if r["model"] == "q3" else "q15"
-    return "q3" if r["name"].startswith("q3") else "q15"
 
 
 def system_of(r: dict) -> str | None:
@@ -153,16 +145,16 @@ def offload_elsewhere(by_traffic: dict, traffic: tuple) -> list[dict]:
             for r in systems.get("offload", [])]
 
 
-def one_setting(el: dict, offload: list[dict], x: float | None, need: float) -> str:
+def one_setting(el: dict, base: dict, offload: list[dict], x: float | None, need: float) -> str:
     """The offload verdict where the runs hold a single ``--cpu-offload-gb`` setting: the
     issue's baseline is the *best* setting, and SGLang's offloader copies every offloaded
     byte each pass, so a larger setting runs a larger batch on the same copies' cost
     (``offload_sweep.py``). Against one setting the pair says only that; the verdict is the
-    ratio against offload_sweep's estimate of the best setting, marked as an estimate."""
+    ratio against offload_sweep's estimate of the best setting, marked as an estimate.
+    ``base``: the best of ``offload``, which ``x`` (el's ratio to it) was taken against."""
     settings = {offload_gb(r["server_args"]) for r in offload}
     if len(settings) > 1 or x is None:
         return verdict(x, need, True)
-    base = max(offload, key=tput)
     best = sweep(base)["best"]
     own = rate_of(base)[0]
     if not own or best["tok_s"] <= own:
@@ -266,7 +258,7 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
                 need = 5.0 if model == "q15" else (3.0 if skew else 2.0)
                 other = "" if systems.get("offload") else f" (anchor on {describe(traffic_of(base))})"
                 t.add(OFF24 if model == "q15" else OFF_Q3, where, f"{pair_of(el, base)}{other}",
-                      fmt(x, sources), one_setting(el, offload, x, need))
+                      fmt(x, sources), one_setting(el, base, offload, x, need))
             if systems.get("static"):
                 # plain SGLang is the static budget that keeps every expert (static mode's own
                 # such layout runs SGLang's MoE, within 1 % of it), so it is one of the budgets
