@@ -847,3 +847,46 @@ def test_the_card_rule_divides_by_the_gpu_it_runs_on(monkeypatch):
 
     monkeypatch.setattr(run_one.subprocess, "run", missing)
     assert run_one.this_gpu() == {"name": None, "total_mib": 143_771}
+
+
+#: the lines an elastic server logs (Qwen1.5 shape: three pages an expert; two load buffers of 40 experts)
+POOL_LOG = ("[2026-12-05 04:14:42] sglang-rimuru elastic pool: 15.000 GiB in 3000 expert pages of 5767168 B; "
+            "1000 resident experts (40-44 of 60 per layer x 24 layers), load buffers 2 x 40, KV now 127 tokens, "
+            "at most 80000; 1440 experts (23.2 GiB) in host memory, at most 59 a layer out of the pool "
+            "(--rimuru-expert-offload-limit); ranking: expert index order\n"
+            "[2026-12-05 04:18:15] Decode batch, #running-req: 46, #token: 23000, token usage: 0.95\n"
+            "[2026-12-05 04:18:16] Decode batch, #running-req: 4, #token: 9000, token usage: 0.95\n"
+            "[2026-12-05 04:18:21] Decode batch, #running-req: 50, #token: 15000, token usage: 0.87\n")
+
+
+def test_the_card_bound_tries_every_split_the_offload_limit_allows(tmp_path):
+    """The bound is the split and batch with the most decode tok/s by the run's own step line:
+    free reads want the fewest experts resident (the largest batch), dear reads every expert
+    that leaves a request room; the decode log gives the tokens a running request holds."""
+    cb = _serving_module("card_bound")
+    pool = cb.pool_of(POOL_LOG)
+    assert pool == {"pages": 3000, "page_bytes": 5_767_168, "load_buffer_experts": 80, "offload_limit": 59}
+    assert cb.tokens_per_request(POOL_LOG) == [500.0, 300.0]  # the line with 4 running is left out
+    run = {"name": "elastic24d", "model": "q15", "num_prompts": 500, "router_skew": 0.0, "server_args": [],
+           "trace": {"cost_ms": {"base": 5.9, "per_request": 0.17, "expert": 0.0}}}
+    shared = 920 * 17_301_504  # the pool (1000 experts' bytes) less its load buffers' 80 experts
+    free = cb.card_bound(run, POOL_LOG, None, [400.0])
+    assert free["shared_bytes"] == shared and free["tokens_per_request_measured"] == [300, 500]
+    # reads cost nothing: 24 resident (one a layer, the limit), KV of 896 experts at 88 tokens each
+    row = free["rows"][0]
+    assert row["resident"] == 24 and row["batch"] == int(896 * 17_301_504 / 196_608 / 400) == 197
+    assert row["tok_s"] == round(197 / (5.9 + 0.17 * 197) * 1e3, 1)
+    # the traffic's 150 requests cap the batch
+    capped = cb.card_bound({**run, "num_prompts": 150}, POOL_LOG, None, [400.0])["rows"][0]
+    assert capped["batch"] == 150 and capped["tok_s"] == round(150 / (5.9 + 0.17 * 150) * 1e3, 1)
+    # reads dearer than any request is worth: every expert stays that leaves one request's KV
+    dear = cb.card_bound({**run, "trace": {"cost_ms": {"base": 5.9, "per_request": 0.17, "expert": 1e6}}},
+                         POOL_LOG, None, [400.0])["rows"][0]
+    most = 920 - -(-400 * 196_608 // 17_301_504)  # 920 pages less the 5 one request's 400 tokens need
+    assert dear["resident"] == most == 915 and dear["batch"] == 1 and dear["reads"] > 0
+    # uniform routing: the 525 experts out are each read with touched(4/60, 1) by a step of one
+    assert dear["reads"] == round((1440 - 915) * cb.touched(4 / 60, 1), 1)
+    with pytest.raises(SystemExit, match="no 'elastic pool:' line"):
+        cb.pool_of("Decode batch, #running-req: 46, #token: 23000")
+    with pytest.raises(SystemExit, match="skewed run needs its ranking"):
+        cb.card_bound({**run, "router_skew": 1.0}, POOL_LOG, None, [400.0])
