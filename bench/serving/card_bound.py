@@ -22,7 +22,7 @@ output tok/s further under it by the prefill passes between the steps.
 Inputs, all from the run: the model's shape (its JSON's ``model``), the pool's
 bytes and load buffers (its log's "elastic pool:" line, ``NAME.log.gz`` beside
 the JSON), the step line and read price (``trace.cost_ms``: the adjuster's last
-fit), the routing (the ranking file its server read, ``--rimuru-expert-ranking``,
+fit; its log's last fit where it moved no expert), the routing (the ranking file its server read, ``--rimuru-expert-ranking``,
 or uniform ``top_k / E`` where it read none and ran the dummy routers unskewed).
 ``L``: the tokens a running request holds; its decode log's ``#token`` over
 ``#running-req`` gives the range on its traffic. Writes ``--out`` (JSON) and prints a
@@ -48,6 +48,9 @@ from sglang_rimuru.adjuster.cost import touched  # noqa: E402
 #: "elastic pool: 25.122 GiB in 8575 expert pages of 3145728 B; ... load buffers 2 x 72, ..."
 POOL_LINE = re.compile(r"elastic pool: [\d.]+ GiB in (\d+) expert pages of (\d+) B; .*?"
                        r"load buffers (\d+) x (\d+).*?at most (\d+) a layer out of the pool")
+#: "cost-aware adjuster: decode step 5.12 ms + 0.170 ms per request + 0.344 ms per offloaded expert read"
+FIT_LINE = re.compile(r"cost-aware adjuster: decode step ([\d.]+) ms \+ ([\d.]+) ms per request \+ ([\d.]+) ms per "
+                      r"offloaded expert read")
 #: "Decode batch, #running-req: 46, #token: 22934, ..."
 DECODE_LINE = re.compile(r"#running-req: (\d+), #token: (\d+)")
 
@@ -67,6 +70,20 @@ def pool_of(log: str) -> dict:
     pages, page_bytes, buffers, per_buffer, limit = map(int, m.groups())
     return {"pages": pages, "page_bytes": page_bytes, "load_buffer_experts": buffers * per_buffer,
             "offload_limit": limit}
+
+
+def cost_of(run: dict, log: str) -> dict:
+    """The step line and read price the run's adjuster last priced an order with
+    (``trace.cost_ms``), else the last fit its log reports (a run that moved no expert)."""
+    cost = (run.get("trace") or {}).get("cost_ms")
+    if cost:
+        return cost
+    fits = FIT_LINE.findall(log)
+    if not fits:
+        raise SystemExit("card_bound.py: the run has no fitted step line (no trace.cost_ms, no 'cost-aware "
+                         "adjuster: decode step' line in its log): was it run with the cost-aware policy?")
+    base, per, expert = map(float, fits[-1])
+    return {"base": base, "per_request": per, "expert": expert}
 
 
 def tokens_per_request(log: str) -> list[float]:
@@ -124,7 +141,7 @@ def bound(probs: list[list[float]], cost: dict, expert_bytes: int, kv_bytes: int
 def card_bound(run: dict, log: str, ranking: Path | None, tokens: list[float]) -> dict:
     shape = shape_of(run)
     pool = pool_of(log)
-    cost = run["trace"]["cost_ms"]
+    cost = cost_of(run, log)
     # the pool's bytes less its load buffers: what experts and KV share
     shared = pool["pages"] * pool["page_bytes"] - pool["load_buffer_experts"] * shape.expert_bytes
     probs = probabilities(run, shape, ranking)

@@ -890,3 +890,19 @@ def test_the_card_bound_tries_every_split_the_offload_limit_allows(tmp_path):
         cb.pool_of("Decode batch, #running-req: 46, #token: 23000")
     with pytest.raises(SystemExit, match="skewed run needs its ranking"):
         cb.card_bound({**run, "router_skew": 1.0}, POOL_LOG, None, [400.0])
+
+
+def test_the_card_bound_takes_the_logged_fit_where_no_expert_moved():
+    """A run whose adjuster never ordered a move has no trace.cost_ms: the last fit its log
+    reports prices the bound; a run with neither is refused by name."""
+    cb = _serving_module("card_bound")
+    log = POOL_LOG + ("[2026-12-04 16:06:34] sglang-rimuru cost-aware adjuster: decode step 6.21 ms + 0.067 ms per "
+                      "request + 0.344 ms per offloaded expert read (512 timed steps)\n"
+                      "[2026-12-04 16:07:35] sglang-rimuru cost-aware adjuster: decode step 5.12 ms + 0.170 ms per "
+                      "request + 0.344 ms per offloaded expert read (512 timed steps)\n")
+    run = {"name": "elastic32", "trace": {"rounds": 0, "cost_ms": None}}
+    assert cb.cost_of(run, log) == {"base": 5.12, "per_request": 0.17, "expert": 0.344}
+    moved = {"base": 3.28, "per_request": 0.184, "expert": 0.253}
+    assert cb.cost_of({"trace": {"cost_ms": moved}}, log) is moved
+    with pytest.raises(SystemExit, match="no fitted step line"):
+        cb.cost_of(run, POOL_LOG)
