@@ -70,6 +70,15 @@ def done(r: dict) -> bool:
     return "output_throughput" in r.get("bench", {})
 
 
+def never_served(r: dict) -> bool:
+    """A run ended (its budget, or the device call's timeout) before its traffic held two
+    requests at once: bench_serving's lone warm-up request at most. Its decode log's rate
+    is that one request's, no measure of the system under the traffic, so no pair takes
+    it (the twenty-seventh session's ``offload24_20``: 238 s of start left 34 s, which
+    the warm-up took at 2.5 tok/s)."""
+    return not done(r) and (r.get("num_prompts") or 0) > 1 and r.get("log", {}).get("peak_running", 0) <= 1
+
+
 def stopped_rate(r: dict) -> tuple[float | None, str]:
     """A stopped run's output rate and where it comes from: the pool modes' pass record
     (every token, the decodes their mixed prefill passes carry included), else SGLang's
@@ -216,8 +225,9 @@ def ablation(systems: dict[str, list[dict]]) -> tuple[str, str, str]:
 
 def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: Path = LENS) -> str:
     by_traffic: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    unserved = [r["name"] for r in results if never_served(r)]
     for r in results:
-        if system_of(r):
+        if system_of(r) and not never_served(r):
             by_traffic[traffic_of(r)][system_of(r)].append(r)
     t = Table()
     PLAIN_TPUT, PLAIN_TTFT, PLAIN_RUN = ("32 GB Qwen1.5: throughput >= 1.3x plain (skewed), 1.15x (uniform)",
@@ -276,6 +286,9 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
     over = [r["name"] for r in results if over_card(r)]
     lines = t.lines + ["", "- peak GPU memory within the card: " + (
         "every run" if not over else "**over the card**: " + ", ".join(over))]
+    if unserved:
+        lines.append("- left out, their traffic never ran (ended before two requests ran at once): "
+                     + ", ".join(unserved))
     digests: dict[str, list[str]] = defaultdict(list)
     for r in results:
         # "*": a run from before code_digest.py, its digest recovered from the commit its

@@ -388,6 +388,17 @@ def test_targets_compare_stopped_runs_by_named_sources_and_flag_a_borrowed_ancho
     table2 = targets.targets_table(rs, 3.75, tmp_path / "missing.json")
     assert [_cells(r)[2:5] for r in _rows(table2, "24 GB Qwen1.5: >= 5x the best --cpu-offload-gb")] == [
         ["elastic24d-skew / offload24_20-skew", "~6.11x (bench_serving / decode log)", "**met**"]]
+    # a setting whose run ended before its traffic held two requests (the warm-up alone) is no
+    # measurement of it: left out, named, and the one measured setting's estimate stands
+    rs[-1] = _run("offload24_16-skew", 24, log_rate=2.5, skew=1, num=150, running=1, kv=61_000,
+                  server_args=["--cpu-offload-gb", "16"])
+    table3 = targets.targets_table(rs, 3.75, tmp_path / "missing.json")
+    assert [_cells(r)[2] for r in _rows(table3, "24 GB Qwen1.5: >= 5x the best --cpu-offload-gb")] == [
+        "elastic24d-skew / offload24-skew"]
+    assert _rows(table3, "24 GB Qwen1.5: >= 5x the best --cpu-offload-gb") == \
+        _rows(table, "24 GB Qwen1.5: >= 5x the best --cpu-offload-gb")
+    assert "- left out, their traffic never ran (ended before two requests ran at once): offload24_16-skew" in table3
+    assert "left out" not in table
     assert "**over the card**: q3elastic32-skew" in table
     assert "**2 digests**: `aaaaaaaaaaaa`: q3offload32_34_less2560_cap, q3elastic32d_cap; " \
            "`unknown (run before code_digest.py)`: q3elastic32-skew, elastic24d-skew_ph, offload24-skew, " \
