@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from offload_sweep import shape_of  # noqa: E402
-from sglang_rimuru.adjuster.cost import touched  # noqa: E402
+from sglang_rimuru.adjuster.cost import CostModel  # noqa: E402
 
 #: "elastic pool: 25.122 GiB in 8575 expert pages of 3145728 B; ... load buffers 2 x 72, ..."
 POOL_LINE = re.compile(r"elastic pool: [\d.]+ GiB in (\d+) expert pages of (\d+) B; .*?"
@@ -116,20 +116,19 @@ def ranking_of(run: dict) -> Path | None:
     return ROOT / ("bench/results/" + path.split("bench/results/", 1)[1]) if "bench/results/" in path else Path(path)
 
 
-def bound(probs: list[list[float]], cost: dict, expert_bytes: int, kv_bytes: int, kv_token: int,
-          offload_limit: int, requests: int, tokens: float) -> dict:
-    """The resident count and batch with the most decode tok/s at ``tokens`` a request."""
-    desc = sorted((p for layer in probs for p in layer), reverse=True)
-    total = len(desc)
-    least = total - offload_limit * len(probs)  # the offload limit keeps this many resident
+def bound(desc: list[float], cost: CostModel, expert_bytes: int, kv_bytes: int, kv_token: int,
+          least: int, requests: int, tokens: float) -> dict:
+    """The resident count and batch with the most decode tok/s at ``tokens`` a request;
+    ``desc``: every expert's per-token probability, high to low; ``least``: the fewest
+    resident the offload limit allows."""
     best = None
-    for n in range(max(0, least), total + 1):
+    for n in range(max(0, least), len(desc) + 1):
         kv = kv_bytes - n * expert_bytes
         if kv < tokens * kv_token:
             break  # fewer out, less KV: not one request fits from here on
         batch = min(requests, int(kv / kv_token / tokens))
-        reads = sum(touched(p, batch) for p in desc[n:])
-        step = cost["base"] + cost["per_request"] * batch + cost["expert"] * reads
+        reads = cost.expected_reads(desc[n:], batch)
+        step = cost.step_ms(batch) + reads * cost.expert_ms
         tok_s = batch / step * 1e3
         if best is None or tok_s > best["tok_s"]:
             best = {"tokens_per_request": tokens, "resident": n, "batch": batch, "reads": round(reads, 1),
@@ -145,8 +144,11 @@ def card_bound(run: dict, log: str, ranking: Path | None, tokens: list[float]) -
     # the pool's bytes less its load buffers: what experts and KV share
     shared = pool["pages"] * pool["page_bytes"] - pool["load_buffer_experts"] * shape.expert_bytes
     probs = probabilities(run, shape, ranking)
-    rows = [bound(probs, cost, shape.expert_bytes, shared, shape.kv_bytes_per_token, pool["offload_limit"],
-                  run["num_prompts"], t) for t in tokens]
+    desc = sorted((p for layer in probs for p in layer), reverse=True)  # the most probable stay first
+    least = len(desc) - pool["offload_limit"] * len(probs)  # the offload limit keeps this many resident
+    model = CostModel(expert_ms=cost["expert"], base_ms=cost["base"], per_request_ms=cost["per_request"])
+    rows = [bound(desc, model, shape.expert_bytes, shared, shape.kv_bytes_per_token, least, run["num_prompts"], t)
+            for t in tokens]
     held = tokens_per_request(log)
     return {"run": run["name"], "model": run.get("model"), "ranking": str(ranking.relative_to(ROOT))
             if ranking and ranking.is_relative_to(ROOT) else (str(ranking) if ranking else "uniform"),

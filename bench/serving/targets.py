@@ -225,9 +225,11 @@ def ablation(systems: dict[str, list[dict]]) -> tuple[str, str, str]:
 
 def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: Path = LENS) -> str:
     by_traffic: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
-    unserved = [r["name"] for r in results if never_served(r)]
+    unserved = []
     for r in results:
-        if system_of(r) and not never_served(r):
+        if never_served(r):
+            unserved.append(r["name"])
+        elif system_of(r):
             by_traffic[traffic_of(r)][system_of(r)].append(r)
     t = Table()
     PLAIN_TPUT, PLAIN_TTFT, PLAIN_RUN = ("32 GB Qwen1.5: throughput >= 1.3x plain (skewed), 1.15x (uniform)",

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from sglang_rimuru.adjuster.cost import touched
 from sglang_rimuru.models import ensure_model
 
 pytestmark = pytest.mark.server
@@ -896,7 +897,7 @@ def test_the_card_bound_tries_every_split_the_offload_limit_allows(tmp_path):
     most = 920 - -(-400 * 196_608 // 17_301_504)  # 920 pages less the 5 one request's 400 tokens need
     assert dear["resident"] == most == 915 and dear["batch"] == 1 and dear["reads"] > 0
     # uniform routing: the 525 experts out are each read with touched(4/60, 1) by a step of one
-    assert dear["reads"] == round((1440 - 915) * cb.touched(4 / 60, 1), 1)
+    assert dear["reads"] == round((1440 - 915) * touched(4 / 60, 1), 1)
     with pytest.raises(SystemExit, match="no 'elastic pool:' line"):
         cb.pool_of("Decode batch, #running-req: 46, #token: 23000")
     with pytest.raises(SystemExit, match="skewed run needs its ranking"):
