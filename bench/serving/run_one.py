@@ -58,6 +58,7 @@ from sglang_rimuru.serving import start_local_server  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from code_digest import tree_digest  # noqa: E402
+from decode_log import log_stats  # noqa: E402
 from per_rank import SMI_APPS, SMI_GPUS, parse_smi, wants_trace  # noqa: E402
 from phases import aggregate, parse_phases, phase_datasets, phase_summary  # noqa: E402
 
@@ -162,34 +163,6 @@ class GpuSampler(threading.Thread):
 
     def stop(self) -> None:
         self._stop.set()
-
-
-def log_stats(log: str) -> dict:
-    """Running/queued requests and decode steps from SGLang's scheduler log lines."""
-    running = [int(m) for m in re.findall(r"#running-req: (\d+)", log)]
-    queued = [int(m) for m in re.findall(r"#queue-req: (\d+)", log)]
-    decode_lines = len(re.findall(r"Decode batch", log))
-    # SGLang's own decode throughput per log interval: what a run stopped at its
-    # budget still says (bench_serving's summary is lost then)
-    # Each line covers decode_log_interval steps of its #running-req requests:
-    # weighted by time (tokens / rate), not by line (fast intervals log more often).
-    # The first line is dropped: SGLang times it from the scheduler's start, so its rate
-    # counts the warmup and the idle wait for traffic (offload24-skew at 7f20a2d: 1 tok/s
-    # for one request, which pulled a ~90 tok/s run's mean to 64.5).
-    gen = [(int(r), float(g)) for r, g in re.findall(
-        r"Decode batch, #running-req: (\d+),.*?gen throughput \(token/s\): ([0-9.]+)", log)[1:] if float(g) > 0]
-    gen_s = sum(r / g for r, g in gen)
-    interval = re.search(r"decode_log_interval=(\d+)", log)
-    return {
-        "peak_running": max(running, default=0),
-        "peak_queued": max(queued, default=0),
-        "decode_steps_est": decode_lines * (int(interval.group(1)) if interval else 40),
-        "prefill_batches": len(re.findall(r"Prefill batch", log)),
-        "retractions": len(re.findall(r"Retract requests", log)),
-        "kv_tokens": int(m.group(1)) if (m := re.search(r"max_total_num_tokens=(\d+)", log)) else None,
-        "gen_tok_s_mean": round(sum(r for r, _ in gen) / gen_s, 1) if gen_s else None,
-        "gen_tok_s_lines": len(gen),
-    }
 
 
 def card_cap_log(log: str) -> dict | None:
@@ -506,7 +479,8 @@ def main() -> None:
         "ready_s": round(ready_s, 1), "traffic_s": round(traffic_s, 1), "stopped_at_budget": stopped, "cut": cut,
         "all_completed": result.get("completed") == num_prompts,
         "bench": {k: v for k, v in result.items() if not isinstance(v, list)},
-        "log": log_stats(log),
+        # the decode rate from the traffic's first request on (the warm-up's lines apart: lone_step_ms)
+        "log": log_stats(log, began[0] if began else None),
         "peak_gpu_mib": sampler.peak_gpu_mib, "peak_process_mib": sampler.peak_process_mib,
         "peak_host_rss_mib": sampler.peak_host_rss_mib,
         # by GPU index (JSON keys are strings): at --tp-size 2 one emulated card per rank
@@ -517,6 +491,7 @@ def main() -> None:
         "steps": step_summary(step_lines),
         # from the first request (bench_serving's own start is no serving time), else from t0
         "traffic_began_s": round(began[0] - t0, 1) if began else None,
+        "traffic_began_wall": round(began[0], 1) if began else None,
         "pass_tokens": pass_tokens(step_lines, began[0] if began else t0),
         "pass_memory": pass_memory(step_lines),
         "card_cap_log": card_cap_log(log),

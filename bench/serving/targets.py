@@ -30,7 +30,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from makespan import FASTEST_STEP_MS, LENS, floor_of_run
+from makespan import FASTEST_STEP_MS, LENS, LENS_SEED, floor, floor_of_run, load_outputs
 from offload_sweep import model_of, offload_gb, sweep
 
 SYSTEM = re.compile(r"^(?P<q3>q3)?(?P<system>offload|off|static|elastic)")
@@ -77,6 +77,35 @@ def never_served(r: dict) -> bool:
     it (the twenty-seventh session's ``offload24_20``: 238 s of start left 34 s, which
     the warm-up took at 2.5 tok/s)."""
     return not done(r) and (r.get("num_prompts") or 0) > 1 and r.get("log", {}).get("peak_running", 0) <= 1
+
+
+def no_traffic_rate(r: dict) -> bool:
+    """A stopped run whose window held its traffic (two requests or more at once) but no
+    decode of it: SGLang's decode log from the traffic's start is empty and there is no pass
+    record (the twenty-eighth session's ``q3offload32_50_less2560_cap``: its 75 s of traffic
+    went to prefill, ~1 s a 2,048-token pass, 466 requests admitted, none decoded yet). It
+    has no rate to pair; its lone step still bounds what it could serve (``whole_run_ceiling``)."""
+    return not done(r) and not never_served(r) and stopped_rate(r)[0] is None
+
+
+def whole_run_ceiling(r: dict, lens: Path = LENS) -> str:
+    """What a stopped run's system could serve of its whole traffic at most, from its own
+    lone decode step (run_one.py's ``lone_step_ms``: bench_serving's warm-up request decoded
+    alone) where the traffic is the lens file's sample: no request finishes before its arrival
+    plus its output tokens at that step (``makespan.py``), and no step is faster than the one
+    with a single request, for a server whose every pass copies its offloaded weights whatever
+    the batch (SGLang's ``--cpu-offload-gb``). bench_serving's throughput is over the whole
+    traffic; the decode log's over a window, which this bounds from the other side. "" where
+    unknown."""
+    step = (r.get("log") or {}).get("lone_step_ms")
+    if not step or done(r) or r.get("rate") is None or r.get("seed", 1) != LENS_SEED:
+        return ""
+    try:
+        f = floor(load_outputs(r["num_prompts"], lens), r["rate"], LENS_SEED, step)
+    except (ValueError, OSError):
+        return ""
+    return (f"; over the whole traffic {r['name']} serves at most {f.ceiling_tok_s:.0f} tok/s (its lone step "
+            f"{step:.0f} ms: request #{f.binding}'s {f.binding_output} tokens end at {f.makespan_s:.0f} s at the earliest)")
 
 
 def stopped_rate(r: dict) -> tuple[float | None, str]:
@@ -145,13 +174,17 @@ def never_queued(base: dict) -> str | None:
 
 
 def offload_elsewhere(by_traffic: dict, traffic: tuple) -> list[dict]:
-    """SGLang's --cpu-offload-gb runs of the same model and card on other traffic: it copies
-    its offloaded layers whole every forward, whatever the routing (91 tok/s skewed, ~97
-    uniform at 24 GB), so where no anchor ran on this traffic, that one stands in (flagged)."""
+    """SGLang's --cpu-offload-gb runs that stand for this traffic's: it copies its offloaded
+    layers whole every forward, whatever the routing (91 tok/s skewed, ~97 uniform at 24 GB),
+    so the same requests under the other routing count as settings of this traffic's sweep;
+    where neither routing has one, the same model and card on other traffic stands in
+    (flagged by the caller)."""
     if traffic[4]:  # phased: its idle light phases are in any rate a stopped run's record gives
         return []
-    return [r for other, systems in by_traffic.items() if other[:2] == traffic[:2] and not other[4]
+    same = [r for other, systems in by_traffic.items() if other[:2] == traffic[:2] and other[3:] == traffic[3:]
             for r in systems.get("offload", [])]
+    return same or [r for other, systems in by_traffic.items() if other[:2] == traffic[:2] and not other[4]
+                    for r in systems.get("offload", [])]
 
 
 def one_setting(el: dict, base: dict, offload: list[dict], x: float | None, need: float) -> str:
@@ -225,10 +258,12 @@ def ablation(systems: dict[str, list[dict]]) -> tuple[str, str, str]:
 
 def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: Path = LENS) -> str:
     by_traffic: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
-    unserved = []
+    unserved, no_rate = [], []
     for r in results:
         if never_served(r):
             unserved.append(r["name"])
+        elif no_traffic_rate(r):
+            no_rate.append(r["name"] + whole_run_ceiling(r, lens).replace("; over the whole traffic", ":"))
         elif system_of(r):
             by_traffic[traffic_of(r)][system_of(r)].append(r)
     t = Table()
@@ -263,14 +298,14 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
                     tpot = el["bench"]["median_tpot_ms"] / base["bench"]["median_tpot_ms"]
                     t.add(LIGHT, where, pair, f"TPOT {tpot:.2f}x", verdict(tpot, 1.05, False))
                 t.add(FLOOR, where, pair, fmt(x, sources), verdict(x, 0.97, True))
-            offload = systems.get("offload") or offload_elsewhere(by_traffic, traffic)
+            offload = offload_elsewhere(by_traffic, traffic)
             if offload and ((model == "q15" and card == 24) or (model == "q3" and card == 32)):
                 base = max(offload, key=tput)
                 x, sources = tput_ratio(el, base)
                 need = 5.0 if model == "q15" else (3.0 if skew else 2.0)
-                other = "" if systems.get("offload") else f" (anchor on {describe(traffic_of(base))})"
+                other = "" if traffic_of(base) == traffic else f" (anchor on {describe(traffic_of(base))})"
                 t.add(OFF24 if model == "q15" else OFF_Q3, where, f"{pair_of(el, base)}{other}",
-                      fmt(x, sources), one_setting(el, base, offload, x, need))
+                      fmt(x, sources) + whole_run_ceiling(base, lens), one_setting(el, base, offload, x, need))
             if systems.get("static"):
                 # plain SGLang is the static budget that keeps every expert (static mode's own
                 # such layout runs SGLang's MoE, within 1 % of it), so it is one of the budgets
@@ -291,6 +326,9 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
     if unserved:
         lines.append("- left out, their traffic never ran (ended before two requests ran at once): "
                      + ", ".join(unserved))
+    if no_rate:
+        lines.append("- left out, no decode of their traffic within their window (prefill only): "
+                     + "; ".join(no_rate))
     digests: dict[str, list[str]] = defaultdict(list)
     for r in results:
         # "*": a run from before code_digest.py, its digest recovered from the commit its

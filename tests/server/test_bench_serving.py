@@ -88,27 +88,66 @@ def test_run_one_and_report_on_cpu(tmp_path, model_dir):
     assert "| elastic_cpu | 1.00x | 1.00x | 1.00x | 1.00x |" in rep.stdout
 
 
+def _decode_line(t: float, running: int, rate: float) -> str:
+    """One of SGLang's decode log lines, stamped as it stamps them (local time, whole seconds)."""
+    return (f"[{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))}] Decode batch, #running-req: {running}, "
+            f"#token: {running * 10}, token usage: 0.1, cuda graph: True, gen throughput (token/s): {rate:.2f}, "
+            "#queue-req: 3")
+
+
 def test_log_stats_weighs_decode_throughput_by_time():
     """A run stopped at its budget keeps SGLang's own decode rate: per log line, the
     tokens of its running requests over the rate (a slow interval counts for longer),
     without the first line, which SGLang times from the scheduler's start."""
-    log_stats = _serving_module("run_one").log_stats
+    log_stats = _serving_module("decode_log").log_stats
+    t = 1_800_000_000.0
     log = "\n".join([
         "[t] server_args=ServerArgs(decode_log_interval=40, ...)",
-        "[t] Decode batch, #running-req: 1, #token: 0, token usage: 0.0, cuda graph: True, "
-        "gen throughput (token/s): 1.00, #queue-req: 0",  # timed from the scheduler's start: dropped
-        "[t] Decode batch, #running-req: 10, #token: 100, token usage: 0.1, cuda graph: True, "
-        "gen throughput (token/s): 1000.00, #queue-req: 0",
-        "[t] Decode batch, #running-req: 40, #token: 400, token usage: 0.4, cuda graph: True, "
-        "gen throughput (token/s): 100.00, #queue-req: 3",
-        "[t] Decode batch, #running-req: 1, #token: 4, token usage: 0.0, cuda graph: True, "
-        "gen throughput (token/s): 0.00, #queue-req: 0",  # an idle start: no rate
+        _decode_line(t, 1, 1.0),  # timed from the scheduler's start: dropped
+        _decode_line(t + 10, 10, 1000.0),
+        _decode_line(t + 20, 40, 100.0),
+        _decode_line(t + 30, 1, 0.0),  # an idle start: no rate
+        "[2026-12-05 16:24:11 TP0] Decode batch, #running-req: 40, #token: 1, token usage: 0.0, cuda graph: True, "
+        "gen throughput (token/s): 100.00, #queue-req: 0",  # a rank's line (--tp-size 2) counts too
     ])
     s = log_stats(log)
-    # 10 + 40 tokens a step over 10/1000 + 40/100 s a step
-    assert s["gen_tok_s_mean"] == round(50 / (0.01 + 0.4), 1) and s["gen_tok_s_lines"] == 2
-    assert s["peak_running"] == 40 and s["peak_queued"] == 3 and s["decode_steps_est"] == 160
+    # 10 + 40 + 40 tokens a step over 10/1000 + 40/100 + 40/100 s a step
+    assert s["gen_tok_s_mean"] == round(90 / (0.01 + 0.8), 1) and s["gen_tok_s_lines"] == 3
+    assert s["peak_running"] == 40 and s["peak_queued"] == 3 and s["decode_steps_est"] == 200
+    assert "lone_step_ms" not in s
     assert log_stats("")["gen_tok_s_mean"] is None
+
+
+def test_the_decode_rate_is_the_traffics_and_the_warmup_gives_the_lone_step(tmp_path):
+    """At --decode-log-interval 10 bench_serving's warm-up request fills several decode lines
+    at one running request before the traffic begins (SGLang's --cpu-offload-gb 50 for Qwen3:
+    three at 1.01 tok/s stood as the rate of a run whose traffic window held only prefill).
+    Given when the traffic began, only lines from its second on count; the warm-up's lines
+    (the log's first apart) give the lone decode step. decode_log.py re-derives a stored run's
+    figures from its log, keeping those it was written with."""
+    decode_log = _serving_module("decode_log")
+    t = 1_800_000_000.0
+    log = "\n".join(["decode_log_interval=10", _decode_line(t, 1, 0.3), _decode_line(t + 4, 1, 2.5),
+                     _decode_line(t + 8, 1, 2.5), _decode_line(t + 12, 1, 2.0),
+                     _decode_line(t + 30, 100, 250.0), _decode_line(t + 34, 50, 125.0)])
+    s = decode_log.log_stats(log, since=t + 20.6)
+    assert s["gen_tok_s_mean"] == round(150 / (0.4 + 0.4), 1) and s["gen_tok_s_lines"] == 2
+    assert s["lone_step_ms"] == 400.0  # median of 400, 400, 500 ms
+    assert decode_log.log_stats(log)["gen_tok_s_lines"] == 5  # without it: every line after the first
+    # the traffic's window held no decode: no rate, the lone step still measured
+    empty = decode_log.log_stats("\n".join(log.splitlines()[:5]), since=t + 20.6)
+    assert empty["gen_tok_s_mean"] is None and empty["lone_step_ms"] == 400.0
+    run = tmp_path / "offload24_20.json"
+    run.write_text(json.dumps({"name": "offload24_20", "log": decode_log.log_stats(log)}))
+    (tmp_path / "offload24_20.log").write_text(log)
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t + 21))
+    out = subprocess.run([sys.executable, str(ROOT / "bench/serving/decode_log.py"), str(run),
+                          str(tmp_path / "offload24_20.log"), "--since", since],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(run.read_text())
+    assert got["log"] == s and got["log_since"] == since
+    assert got["log_as_run"]["gen_tok_s_lines"] == 5
 
 
 def test_report_shows_a_stopped_run_by_its_decode_log():
@@ -404,6 +443,40 @@ def test_targets_compare_stopped_runs_by_named_sources_and_flag_a_borrowed_ancho
     assert "**2 digests**: `aaaaaaaaaaaa`: q3offload32_34_less2560_cap, q3elastic32d_cap; " \
            "`unknown (run before code_digest.py)`: q3elastic32-skew, elastic24d-skew_ph, offload24-skew, " \
            "elastic24d-skew" in table
+
+
+def test_offload_settings_of_either_routing_count_and_a_window_of_prefill_alone_is_no_rate(tmp_path):
+    """SGLang's offload copies the same bytes whatever the routing, so its uniform runs on the
+    same requests are settings of the skewed traffic's sweep too (flagged as an anchor of the
+    other traffic). A stopped run that held its traffic but decoded none of it in its window
+    has no rate to pair: it is listed with what its lone step lets it serve of the whole
+    traffic at most (makespan.py's floor at that step), as is each stopped baseline with a
+    lone step beside its ratio."""
+    targets = _serving_module("targets")
+    lens = tmp_path / "lens.json"
+    lens.write_text(json.dumps([[100, 10], [100, 1001], [100, 5]]))
+    rs = [_run("elastic24d-skew", 24, 1222.0, skew=1, num=3),
+          _run("offload24-skew", 24, log_rate=95.9, skew=1, num=3, server_args=["--cpu-offload-gb", "8"]),
+          _run("offload24_16", 24, log_rate=206.8, num=3, running=114, server_args=["--cpu-offload-gb", "16"]),
+          _run("q3offload32_50_less2560_cap", 32, log_rate=None, num=3, running=466,
+               server_args=["--cpu-offload-gb", "50"]),
+          _run("q3elastic32d_cap", 32, pass_rate=233.1, num=3)]
+    rs[2]["log"]["lone_step_ms"] = 325.7
+    rs[3]["log"]["lone_step_ms"] = 990.1
+    table = targets.targets_table(rs, 3.75, lens)
+    arrive = _serving_module("makespan").arrivals(3, 10.0, 1)[1]  # request #1 sets the floor
+    end16, end50 = arrive + 1000 * 0.3257, arrive + 1000 * 0.9901
+    assert [_cells(r)[2:5] for r in _rows(table, "24 GB Qwen1.5: >= 5x the best --cpu-offload-gb")] == [[
+        "elastic24d-skew / offload24_16 (anchor on 24 GB, Qwen1.5-MoE, uniform, 10 req/s x 3)",
+        f"~5.91x (bench_serving / decode log); over the whole traffic offload24_16 serves at most "
+        f"{1016 / end16:.0f} tok/s (its lone step 326 ms: request #1's 1001 tokens end at {end16:.0f} s "
+        "at the earliest)", "**met**"]]
+    assert (f"- left out, no decode of their traffic within their window (prefill only): q3offload32_50_less2560_cap: "
+            f"q3offload32_50_less2560_cap serves at most {1016 / end50:.0f} tok/s (its lone step 990 ms: request #1's "
+            f"1001 tokens end at {end50:.0f} s at the earliest)") in table
+    assert _rows(table, "32 GB Qwen3: >= 2x (uniform) / 3x (skewed) the best --cpu-offload-gb") == [
+        "| 32 GB Qwen3: >= 2x (uniform) / 3x (skewed) the best --cpu-offload-gb | - | - | no pair among these runs "
+        "| not measured |"]
 
 
 def test_the_code_digest_covers_the_servers_code_only(tmp_path):
