@@ -479,6 +479,34 @@ def test_offload_settings_of_either_routing_count_and_a_window_of_prefill_alone_
         "| not measured |"]
 
 
+def test_out_steps_sets_each_step_with_experts_out_beside_the_resident_line(tmp_path):
+    """out_steps.py: a decode step taken while the trace says experts were out is set against
+    the median resident step at its batch; the extra time is fitted on expected reads alone and
+    with the layers out beside them, and tabulated by how long after a round that moved
+    experts its record was written. A stall (5x the line and 20 ms over it) and a batch the
+    resident line does not cover are left out."""
+    out_steps = _serving_module("out_steps")
+    trace = [{"t": 10.0, "evicted": [[0, 1], [1, 2]], "restored": []},
+             {"t": 20.0, "evicted": [], "restored": [[0, 1], [1, 2]]}]
+    records = [{"t": 5.0, "steps": [[4, 2.0, 0]] * 6},
+               {"t": 10.02, "steps": [[4, 2.5, 0.1], [4, 3.0, 0.2], [4, 100.0, 0.0], [9, 7.0, 0.3]]},
+               {"t": 25.0, "steps": [[4, 2.0, 0]]}]
+    res = out_steps.analyse(trace, records)
+    assert res["resident_steps"] == 7 and res["out_steps"] == 2 and res["rounds_moving_experts"] == 2
+    assert res["fit_reads"] == {"ms_per_read": 5.0, "rms_ms": 0.0}
+    assert res["fit_both"] == {"us_per_layer_out": 0.0, "ms_per_read": 5.0, "rms_ms": 0.0}
+    assert res["by_time_after_a_round"] == [
+        {"after_s": [0, 0.05], "steps": 2, "extra_ms_median": 0.75, "reads_median": 0.15}]
+    name = tmp_path / "elastic32-skew"
+    (tmp_path / "elastic32-skew_trace.jsonl").write_text("\n".join(json.dumps(e) for e in trace))
+    (tmp_path / "elastic32-skew_trace.steps.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    out = subprocess.run([sys.executable, str(ROOT / "bench/serving/out_steps.py"), str(name),
+                          "--out", str(tmp_path / "o.json")], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "o.json").read_text()) == res
+    assert "| 0-0.05 | 2 | 0.75 | 0.15 |" in out.stdout
+
+
 def test_the_code_digest_covers_the_servers_code_only(tmp_path):
     """code_digest.py hashes what the server imports (sglang_rimuru/, kernels/, patches/:
     sources and tuned tables), so a benchmark or RESULTS change keeps it and a kernel table

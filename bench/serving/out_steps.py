@@ -1,0 +1,134 @@
+"""Decode steps taken with experts out, against the same run's resident steps at their batch.
+
+    python3 bench/serving/out_steps.py RUN_DIR/NAME   # reads NAME_trace.jsonl.gz and NAME_trace.steps.jsonl.gz
+
+The cost policy prices an offloaded read from what steps that expected reads took beyond the
+resident line (``StepClock``). At light skewed load that price came out 50x a read's PCIe time
+(bench/RESULTS.md, twenty-seventh and twenty-eighth sessions). This sets each decode step the
+step record holds while the trace says experts were out beside the median resident step at its
+batch, and fits the extra time two ways: on expected reads alone (what ``StepClock`` does) and
+on expected reads plus the layers with any expert out (a fixed cost of leaving SGLang's own MoE
+path). It also tabulates the steps by how long after a migration round their record was
+written: a round's page copies share PCIe and the GPU with the steps after it.
+
+Limits, said in the output too: the step record is flushed every second or so with no time a
+step, so each step gets the out set at its record's flush; a round inside a record's span is
+placed after steps it may have preceded. No GPU, no SGLang; numpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+
+def read_lines(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def out_states(trace: list[dict]) -> tuple[list[float], list[tuple[int, int]], list[float]]:
+    """From the trace's orders in time: after each, (layers with any expert out, experts out);
+    and the times of the rounds that moved an expert."""
+    out: set[tuple[int, int]] = set()
+    times, states, moved = [], [], []
+    for e in sorted((e for e in trace if "evicted" in e), key=lambda e: e["t"]):
+        for layer, expert in e["evicted"]:
+            out.add((layer, expert))
+        for layer, expert in e.get("restored", []):
+            out.discard((layer, expert))
+        times.append(e["t"])
+        states.append((len({layer for layer, _ in out}), len(out)))
+        if e["evicted"] or e.get("restored"):
+            moved.append(e["t"])
+    return times, states, moved
+
+
+def analyse(trace: list[dict], records: list[dict], min_resident: int = 5) -> dict:
+    times, states, moved = out_states(trace)
+
+    def at(t: float, xs: list, default):
+        i = bisect.bisect_right(times if xs is states else moved, t) - 1
+        return xs[i] if i >= 0 else default
+
+    steps = []  # (batch, ms, expected reads, layers out, experts out, s since a round moved experts)
+    for rec in records:
+        layers, experts = at(rec["t"], states, (0, 0))
+        last = at(rec["t"], moved, None)
+        for b, ms, r in rec.get("steps", []):
+            steps.append((b, ms, r, layers, experts, rec["t"] - last if last is not None else None))
+    resident: dict[int, list[float]] = {}
+    for b, ms, r, _, experts, _ in steps:
+        if experts == 0 and r == 0:
+            resident.setdefault(b, []).append(ms)
+    line = {b: statistics.median(v) for b, v in resident.items() if len(v) >= min_resident}
+    # steps with experts out at a batch the resident line covers; a step 5x its line and 20 ms
+    # over it is a stall (a prefill's wait, a graph capture), not a read
+    rows = [(layers, r, ms - line[b], since) for b, ms, r, layers, experts, since in steps
+            if experts and b in line and ms < 5 * line[b] + 20]
+    result = {"resident_steps": sum(len(v) for v in resident.values()), "out_steps": len(rows),
+              "rounds_moving_experts": len(moved)}
+    if not rows:
+        return result
+    x = np.array([(layers, r) for layers, r, _, _ in rows], float)
+    y = np.array([extra for _, _, extra, _ in rows])
+    both, *_ = np.linalg.lstsq(x, y, rcond=None)
+    result["fit_both"] = {"us_per_layer_out": round(float(both[0]) * 1e3, 1),
+                          "ms_per_read": round(float(both[1]), 3),
+                          "rms_ms": round(float(np.sqrt(((y - x @ both) ** 2).mean())), 3)}
+    rr = float(x[:, 1] @ x[:, 1])
+    if rr > 0:
+        per = float(x[:, 1] @ y) / rr
+        result["fit_reads"] = {"ms_per_read": round(per, 3),
+                               "rms_ms": round(float(np.sqrt(((y - x[:, 1] * per) ** 2).mean())), 3)}
+    by_gap = []
+    for lo, hi in ((0, 0.05), (0.05, 0.15), (0.15, 0.5), (0.5, 2.0), (2.0, float("inf"))):
+        sel = [(extra, r) for _, r, extra, since in rows if since is not None and lo <= since < hi]
+        if sel:
+            by_gap.append({"after_s": [lo, hi], "steps": len(sel),
+                           "extra_ms_median": round(statistics.median(e for e, _ in sel), 3),
+                           "reads_median": round(statistics.median(r for _, r in sel), 3)})
+    result["by_time_after_a_round"] = by_gap
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", help="RUN_DIR/NAME: NAME_trace.jsonl(.gz) and NAME_trace.steps.jsonl(.gz) beside it")
+    ap.add_argument("--out", help="write the figures as JSON")
+    args = ap.parse_args()
+
+    def find(suffix: str) -> Path:
+        for p in (Path(args.run + suffix + ".gz"), Path(args.run + suffix)):
+            if p.exists():
+                return p
+        raise SystemExit(f"out_steps: no {args.run}{suffix}(.gz)")
+
+    res = analyse(read_lines(find("_trace.jsonl")), read_lines(find("_trace.steps.jsonl")))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    print(f"{Path(args.run).name}: {res['out_steps']} decode steps with experts out, {res['resident_steps']} resident; "
+          f"{res['rounds_moving_experts']} rounds moved experts")
+    if "fit_both" in res:
+        fb = res["fit_both"]
+        print(f"  extra = {fb['us_per_layer_out']} us a layer with experts out + {fb['ms_per_read']} ms an expected read "
+              f"(rms {fb['rms_ms']} ms)")
+    if "fit_reads" in res:
+        print(f"  on reads alone: {res['fit_reads']['ms_per_read']} ms an expected read (rms {res['fit_reads']['rms_ms']} ms)")
+    print("| s after a round that moved experts | steps | extra ms, median | expected reads, median |")
+    print("|---|---|---|---|")
+    for g in res.get("by_time_after_a_round", []):
+        print(f"| {g['after_s'][0]:g}-{g['after_s'][1]:g} | {g['steps']} | {g['extra_ms_median']} | {g['reads_median']} |")
+    print("  (each step gets the out set at its record's flush, ~1 s apart: a round inside a record's span may "
+          "be placed after steps it preceded)")
+
+
+if __name__ == "__main__":
+    main()
