@@ -32,7 +32,6 @@ table. No GPU, no SGLang.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import re
 import sys
@@ -42,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from decode_log import read_log  # noqa: E402
 from offload_sweep import shape_of  # noqa: E402
 from sglang_rimuru.adjuster.cost import CostModel  # noqa: E402
 
@@ -53,12 +53,6 @@ FIT_LINE = re.compile(r"cost-aware adjuster: decode step ([\d.]+) ms \+ ([\d.]+)
                       r"offloaded expert read")
 #: "Decode batch, #running-req: 46, #token: 22934, ..."
 DECODE_LINE = re.compile(r"#running-req: (\d+), #token: (\d+)")
-
-
-def read_log(path: Path) -> str:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", errors="replace") as f:
-        return f.read()
 
 
 def pool_of(log: str) -> dict:

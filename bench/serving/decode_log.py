@@ -75,8 +75,10 @@ def log_stats(log: str, since: float | None = None) -> dict:
 
 
 def read_log(path: Path) -> str:
-    raw = Path(path).read_bytes()
-    return (gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw).decode(errors="replace")
+    """A stored log or JSON-lines file, gzipped (``.gz``, as raw results are kept) or not."""
+    opener = gzip.open if Path(path).suffix == ".gz" else open
+    with opener(path, "rt", errors="replace") as f:
+        return f.read()
 
 
 def main() -> None:

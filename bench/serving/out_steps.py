@@ -20,18 +20,17 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import gzip
 import json
 import statistics
 from pathlib import Path
 
 import numpy as np
 
+from decode_log import read_log
+
 
 def read_lines(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        return [json.loads(x) for x in f if x.strip()]
+    return [json.loads(x) for x in read_log(path).splitlines() if x.strip()]
 
 
 def out_states(trace: list[dict]) -> tuple[list[float], list[tuple[int, int]], list[float]]:
@@ -54,14 +53,15 @@ def out_states(trace: list[dict]) -> tuple[list[float], list[tuple[int, int]], l
 def analyse(trace: list[dict], records: list[dict], min_resident: int = 5) -> dict:
     times, states, moved = out_states(trace)
 
-    def at(t: float, xs: list, default):
-        i = bisect.bisect_right(times if xs is states else moved, t) - 1
-        return xs[i] if i >= 0 else default
+    def at(keys: list[float], values: list, t: float, default):
+        """values' entry for the last of keys at or before t."""
+        i = bisect.bisect_right(keys, t) - 1
+        return values[i] if i >= 0 else default
 
     steps = []  # (batch, ms, expected reads, layers out, experts out, s since a round moved experts)
     for rec in records:
-        layers, experts = at(rec["t"], states, (0, 0))
-        last = at(rec["t"], moved, None)
+        layers, experts = at(times, states, rec["t"], (0, 0))
+        last = at(moved, moved, rec["t"], None)
         for b, ms, r in rec.get("steps", []):
             steps.append((b, ms, r, layers, experts, rec["t"] - last if last is not None else None))
     resident: dict[int, list[float]] = {}

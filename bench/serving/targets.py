@@ -96,7 +96,7 @@ def whole_run_ceiling(r: dict, lens: Path = LENS) -> str:
     with a single request, for a server whose every pass copies its offloaded weights whatever
     the batch (SGLang's ``--cpu-offload-gb``). bench_serving's throughput is over the whole
     traffic; the decode log's over a window, which this bounds from the other side. "" where
-    unknown."""
+    unknown, else ``serves at most ...`` to follow the run's name."""
     step = (r.get("log") or {}).get("lone_step_ms")
     if not step or done(r) or r.get("rate") is None or r.get("seed", 1) != LENS_SEED:
         return ""
@@ -104,7 +104,7 @@ def whole_run_ceiling(r: dict, lens: Path = LENS) -> str:
         f = floor(load_outputs(r["num_prompts"], lens), r["rate"], LENS_SEED, step)
     except (ValueError, OSError):
         return ""
-    return (f"; over the whole traffic {r['name']} serves at most {f.ceiling_tok_s:.0f} tok/s (its lone step "
+    return (f"serves at most {f.ceiling_tok_s:.0f} tok/s (its lone step "
             f"{step:.0f} ms: request #{f.binding}'s {f.binding_output} tokens end at {f.makespan_s:.0f} s at the earliest)")
 
 
@@ -181,10 +181,10 @@ def offload_elsewhere(by_traffic: dict, traffic: tuple) -> list[dict]:
     (flagged by the caller)."""
     if traffic[4]:  # phased: its idle light phases are in any rate a stopped run's record gives
         return []
-    same = [r for other, systems in by_traffic.items() if other[:2] == traffic[:2] and other[3:] == traffic[3:]
-            for r in systems.get("offload", [])]
-    return same or [r for other, systems in by_traffic.items() if other[:2] == traffic[:2] and not other[4]
-                    for r in systems.get("offload", [])]
+    def on(match) -> list[dict]:  # the same model and card, on traffic that ``match``es
+        return [r for other, systems in by_traffic.items() if other[:2] == traffic[:2] and match(other)
+                for r in systems.get("offload", [])]
+    return on(lambda other: other[3:] == traffic[3:]) or on(lambda other: not other[4])
 
 
 def one_setting(el: dict, base: dict, offload: list[dict], x: float | None, need: float) -> str:
@@ -263,7 +263,8 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
         if never_served(r):
             unserved.append(r["name"])
         elif no_traffic_rate(r):
-            no_rate.append(r["name"] + whole_run_ceiling(r, lens).replace("; over the whole traffic", ":"))
+            ceiling = whole_run_ceiling(r, lens)
+            no_rate.append(r["name"] + (f": {ceiling}" if ceiling else ""))
         elif system_of(r):
             by_traffic[traffic_of(r)][system_of(r)].append(r)
     t = Table()
@@ -304,8 +305,10 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
                 x, sources = tput_ratio(el, base)
                 need = 5.0 if model == "q15" else (3.0 if skew else 2.0)
                 other = "" if traffic_of(base) == traffic else f" (anchor on {describe(traffic_of(base))})"
+                ceiling = whole_run_ceiling(base, lens)
+                whole = f"; over the whole traffic {base['name']} {ceiling}" if ceiling else ""
                 t.add(OFF24 if model == "q15" else OFF_Q3, where, f"{pair_of(el, base)}{other}",
-                      fmt(x, sources) + whole_run_ceiling(base, lens), one_setting(el, base, offload, x, need))
+                      fmt(x, sources) + whole, one_setting(el, base, offload, x, need))
             if systems.get("static"):
                 # plain SGLang is the static budget that keeps every expert (static mode's own
                 # such layout runs SGLang's MoE, within 1 % of it), so it is one of the budgets

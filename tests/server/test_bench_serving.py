@@ -472,7 +472,7 @@ def test_offload_settings_of_either_routing_count_and_a_window_of_prefill_alone_
         f"{1016 / end16:.0f} tok/s (its lone step 326 ms: request #1's 1001 tokens end at {end16:.0f} s "
         "at the earliest)", "**met**"]]
     assert (f"- left out, no decode of their traffic within their window (prefill only): q3offload32_50_less2560_cap: "
-            f"q3offload32_50_less2560_cap serves at most {1016 / end50:.0f} tok/s (its lone step 990 ms: request #1's "
+            f"serves at most {1016 / end50:.0f} tok/s (its lone step 990 ms: request #1's "
             f"1001 tokens end at {end50:.0f} s at the earliest)") in table
     assert _rows(table, "32 GB Qwen3: >= 2x (uniform) / 3x (skewed) the best --cpu-offload-gb") == [
         "| 32 GB Qwen3: >= 2x (uniform) / 3x (skewed) the best --cpu-offload-gb | - | - | no pair among these runs "
