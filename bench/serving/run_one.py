@@ -61,6 +61,7 @@ from code_digest import tree_digest  # noqa: E402
 from decode_log import log_stats  # noqa: E402
 from per_rank import SMI_APPS, SMI_GPUS, parse_smi, wants_trace  # noqa: E402
 from phases import aggregate, parse_phases, phase_datasets, phase_summary  # noqa: E402
+from window import best_line, log_timeline, pass_timeline  # noqa: E402
 
 #: what the lent H200 needs (no flashinfer there; bench/device/setup_device.sh)
 DEVICE_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
@@ -494,6 +495,12 @@ def main() -> None:
         "traffic_began_wall": round(began[0], 1) if began else None,
         "pass_tokens": pass_tokens(step_lines, began[0] if began else t0),
         "pass_memory": pass_memory(step_lines),
+        # output tokens as the traffic goes on, for comparing two stopped runs over the same
+        # first seconds (window.py): the pass record's where the server wrote one, else SGLang's log
+        "timeline": ({"source": "pass record", "began_wall": round(began[0], 1),
+                      "points": pass_timeline(step_lines, began[0])} if step_lines else
+                     {"source": "decode log", "began_wall": round(began[0], 1),
+                      "points": log_timeline(log, began[0]), "best_line": best_line(log, began[0])}) if began else None,
         "card_cap_log": card_cap_log(log),
         "tracebacks": log.count("Traceback"),
         "bench_log_tail": bench_log[-1500:],

@@ -16,7 +16,10 @@ sources. A throughput target below its threshold says what the traffic allows
 lens file's. A target with no pair among the runs is listed as not measured. Where a
 traffic has an ``elastic32copy`` run (the adjuster copying experts into load buffers), the
 ablation row sets static (pool only), it (+ adjuster) and elastic (+ paged kernel) side by
-side against plain.
+side against plain. Against SGLang's offload settings that stopped, the pair is taken over the
+same first seconds of the traffic where both runs have a timeline (``window.py``,
+``offload_pair``), with the setting's fastest decode line beside. Each GPU's runs pair only
+with each other (``gpu_of``).
 
 The last lines say which server code each run ran (``code_digest.py``): the issue wants
 its tables from runs at one commit, which one digest across the runs shows. A run from
@@ -32,6 +35,7 @@ from pathlib import Path
 
 from makespan import FASTEST_STEP_MS, LENS, LENS_SEED, floor, floor_of_run, load_outputs
 from offload_sweep import model_of, offload_gb, sweep
+from window import same_window
 
 SYSTEM = re.compile(r"^(?P<q3>q3)?(?P<system>offload|off|static|elastic)")
 
@@ -46,18 +50,28 @@ def system_of(r: dict) -> str | None:
     return "elastic_copy" if m.group("system") == "elastic" and "copy" in r["name"] else m.group("system")
 
 
+def gpu_of(r: dict) -> str:
+    """The GPU a run ran on, short (``H200``, ``H100``): run_one.py writes it since the
+    twenty-seventh session; every run before ran on the H200 (their folders say so). A card
+    emulated on an H100 is the same budget on slower memory and another host's PCIe, so its
+    runs pair only with each other."""
+    name = (r.get("gpu") or {}).get("name") or "H200"
+    return m.group(0) if (m := re.search(r"[A-Z]\d{2,3}", name)) else name
+
+
 def traffic_of(r: dict) -> tuple:
     phases = tuple((p["rate"], p["num_prompts"]) for p in r.get("phases") or []) or None
     return (model_of(r), r["card_gib"], bool(r.get("router_skew")), r.get("rate"), phases,
-            r.get("num_prompts"), r.get("seed", 1))
+            r.get("num_prompts"), r.get("seed", 1), gpu_of(r))
 
 
 def describe(traffic: tuple) -> str:
-    model, card, skew, rate, phases, num, seed = traffic
+    model, card, skew, rate, phases, num, seed, gpu = traffic
     load = ("phases " + ",".join(f"{p:g}:{n}" for p, n in phases)) if phases else (
         f"all at once x {num}" if rate == float("inf") else f"{rate:g} req/s x {num}")
     return (f"{card:g} GB, {'Qwen3-30B-A3B' if model == 'q3' else 'Qwen1.5-MoE'}, "
-            f"{'skewed' if skew else 'uniform'}, {load}" + (f", seed {seed}" if seed != 1 else ""))
+            f"{'skewed' if skew else 'uniform'}, {load}" + (f", seed {seed}" if seed != 1 else "")
+            + (f", on an {gpu}" if gpu != "H200" else ""))
 
 
 def over_card(r: dict) -> bool:
@@ -181,8 +195,9 @@ def offload_elsewhere(by_traffic: dict, traffic: tuple) -> list[dict]:
     (flagged by the caller)."""
     if traffic[4]:  # phased: its idle light phases are in any rate a stopped run's record gives
         return []
-    def on(match) -> list[dict]:  # the same model and card, on traffic that ``match``es
-        return [r for other, systems in by_traffic.items() if other[:2] == traffic[:2] and match(other)
+    def on(match) -> list[dict]:  # the same model, card and GPU, on traffic that ``match``es
+        return [r for other, systems in by_traffic.items()
+                if other[:2] == traffic[:2] and other[-1] == traffic[-1] and match(other)
                 for r in systems.get("offload", [])]
     return on(lambda other: other[3:] == traffic[3:]) or on(lambda other: not other[4])
 
@@ -205,6 +220,43 @@ def one_setting(el: dict, base: dict, offload: list[dict], x: float | None, need
     return (f"{'met' if x >= need else 'not met'} against the one setting measured ({settings.pop():g} GiB); "
             f"against offload_sweep.py's estimate of the best ({best['gb']:g} GiB, {best['tok_s']:.0f} tok/s): "
             f"~{est:.2f}x, {'met' if est >= need else '**not met**'} (estimated, not measured)")
+
+
+def offload_pair(el: dict, offload: list[dict], traffic: tuple, need: float, lens: Path) -> tuple[str, str, str]:
+    """The offload target's runs, measured and verdict for ``el`` against SGLang's settings.
+
+    Where ``el`` and a setting on its requests (either routing: offload_elsewhere) both have
+    timelines (window.py) and the setting stopped at its budget, the pair is taken over the same first seconds of the
+    traffic, against the setting ``el`` leads least there: each stopped run's mean is over
+    its own window, and SGLang's offloader spends the start of one on prefill. Beside it, the
+    setting's fastest decode line (its rate at full batch) against ``el``'s rate, which bounds
+    the ratio from below after the window; the verdict says where that falls under the target.
+    Otherwise the best setting by rate, the two rates' ratio as tput_ratio gives it."""
+    same_requests = lambda r: traffic_of(r)[:2] == traffic[:2] and traffic_of(r)[3:] == traffic[3:]
+    windows = [(w, r) for r in offload if same_requests(r) and not done(r) and (w := same_window(el, r)) is not None]
+    ceiling = lambda base: (f"; over the whole traffic {base['name']} {c}" if (c := whole_run_ceiling(base, lens))
+                            else "")
+    if not windows:
+        base = max(offload, key=tput)
+        x, sources = tput_ratio(el, base)
+        other = "" if traffic_of(base) == traffic else f" (anchor on {describe(traffic_of(base))})"
+        return f"{pair_of(el, base)}{other}", fmt(x, sources) + ceiling(base), one_setting(el, base, offload, x, need)
+    w, base = min(windows, key=lambda wr: wr[0]["ratio"])
+    x, sources = tput_ratio(el, base)
+    other = "" if traffic_of(base) == traffic else f" (anchor on {describe(traffic_of(base))})"
+    measured = (f"~{w['ratio']:.2f}x over the same first {w['seconds']:.0f} s of the traffic ({w['tokens']} against "
+                f"{w['other_tokens']} tokens; at least {w['ratio_at_least']:.2f}x between the records' points); "
+                f"means over each run's own window {fmt(x, sources)}")
+    verdict_ = one_setting(el, base, offload, w["ratio"], need)
+    best = (base.get("timeline") or {}).get("best_line")
+    rate = rate_of(el)[0]
+    if best and rate:
+        full = rate / best["tok_s"]
+        measured += (f"; {base['name']}'s fastest decode line {best['tok_s']:.0f} tok/s at {best['running']} running, "
+                     f"{el['name']}'s rate {full:.2f}x that")
+        if w["ratio"] >= need > full:
+            verdict_ += f" over the window; below it ({full:.2f}x) against {base['name']} at full batch"
+    return f"{pair_of(el, base)}{other}", measured + ceiling(base), verdict_
 
 
 def pair_of(a: dict, b: dict) -> str:
@@ -301,14 +353,8 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
                 t.add(FLOOR, where, pair, fmt(x, sources), verdict(x, 0.97, True))
             offload = offload_elsewhere(by_traffic, traffic)
             if offload and ((model == "q15" and card == 24) or (model == "q3" and card == 32)):
-                base = max(offload, key=tput)
-                x, sources = tput_ratio(el, base)
                 need = 5.0 if model == "q15" else (3.0 if skew else 2.0)
-                other = "" if traffic_of(base) == traffic else f" (anchor on {describe(traffic_of(base))})"
-                ceiling = whole_run_ceiling(base, lens)
-                whole = f"; over the whole traffic {base['name']} {ceiling}" if ceiling else ""
-                t.add(OFF24 if model == "q15" else OFF_Q3, where, f"{pair_of(el, base)}{other}",
-                      fmt(x, sources) + whole, one_setting(el, base, offload, x, need))
+                t.add(OFF24 if model == "q15" else OFF_Q3, where, *offload_pair(el, offload, traffic, need, lens))
             if systems.get("static"):
                 # plain SGLang is the static budget that keeps every expert (static mode's own
                 # such layout runs SGLang's MoE, within 1 % of it), so it is one of the budgets

@@ -507,6 +507,122 @@ def test_out_steps_sets_each_step_with_experts_out_beside_the_resident_line(tmp_
     assert "| 0-0.05 | 2 | 0.75 | 0.15 |" in out.stdout
 
 
+def test_the_tail_bounds_a_stopped_runs_whole_traffic_from_its_step_record(tmp_path):
+    """tail.py: with every request admitted by the cut, each running one decoded in every
+    decode pass after the last prefill pass (6 here, so 7 tokens each with its prefill's);
+    the longest still running at the slowest step of the cut's batch bounds the traffic's
+    end, and on uniform routing the estimate decodes the rest at the adjuster's own step
+    price as the batch falls. A queue at the cut, or fewer long requests than the batch
+    running, voids the premise."""
+    tail = _serving_module("tail")
+    lens = tmp_path / "lens.json"
+    lens.write_text(json.dumps([[10, 5], [10, 40], [10, 12]]))
+    reads_at_cut = 100 * (1 - (15 / 16) ** 2)  # 100 experts out; Qwen3: top 8 of 128
+    run = {"name": "q3elastic32d_cap", "model": "q3", "num_prompts": 3, "rate": 10.0, "seed": 1,
+           "router_skew": 0.0, "traffic_began_wall": 1000.0,
+           "trace": {"cost_ms": {"base": 5.0, "per_request": 1.0, "expert": 0.5}}}
+    records = [{"t": 999.0, "steps": [[1, 50.0, 6.25]], "gpu": [[1, 50.0]], "passes": [["extend", 1, 9.0]]},
+               {"t": 1001.0, "steps": [], "gpu": [], "passes": [["mixed", 3, 10.0]]},
+               {"t": 1003.0, "steps": [[3, 20.0, 30.0]] * 4, "gpu": [[3, 20.0]] * 4, "passes": []},
+               {"t": 1004.0, "steps": [[2, 15.0, reads_at_cut], [2, 16.0, reads_at_cut]],
+                "gpu": [[2, 15.0]] * 2, "passes": []}]
+    log = "Decode batch, #running-req: 2, #token: 90, token usage: 0.1, gen throughput (token/s): 99.0, #queue-req: 0\n"
+    res = tail.tail(run, records, log, lens)
+    assert (res["elapsed_s"], res["tokens"], res["batch_at_cut"], res["decodes_after_last_prefill"],
+            res["longest_left"], res["slowest_step_at_cut_ms"]) == (4.0, 3 + 12 + 4, 2, 6, 33, 16.0)
+    assert res["makespan_at_most_s"] == round(4.0 + 33 * 0.016, 1)
+    assert res["whole_tok_s_at_least"] == round(57 / (4.0 + 33 * 0.016), 1)
+    # 5 steps at batch 2 (5 + 2 + 0.5 x 100 x (1 - (15/16)^2) ms), then 28 at batch 1
+    tail_ms = 5 * (7 + 50 * (1 - (15 / 16) ** 2)) + 28 * (6 + 50 / 16)
+    assert res["experts_out"] == 100 and res["estimate_tail_s"] == round(tail_ms / 1e3, 1)
+    assert res["estimate_whole_tok_s"] == round(57 / (4.0 + tail_ms / 1e3), 1)
+    assert res["estimate_lone_step_ms"] == round(6 + 50 / 16, 1)
+    assert "estimate_whole_tok_s" not in tail.tail({**run, "router_skew": 1.0}, records, log, lens)
+    with pytest.raises(ValueError, match="still queued"):
+        tail.tail(run, records, log.replace("#queue-req: 0", "#queue-req: 4"), lens)
+    lens.write_text(json.dumps([[10, 5], [10, 40], [10, 7]]))
+    with pytest.raises(ValueError, match="fewer than the 2 running"):
+        tail.tail(run, records, log, lens)
+
+
+def _prefill_line(t: float, new_seq: int) -> str:
+    return (f"[{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))}] Prefill batch, #new-seq: {new_seq}, "
+            "#new-token: 2048, #cached-token: 0, token usage: 0.1, #running-req: 0, #queue-req: 9")
+
+
+def test_two_stopped_runs_are_compared_over_the_same_first_seconds(tmp_path):
+    """window.py: SGLang's timeline counts each decode line's running requests times the log
+    interval and a first token per admitted sequence, from the first prefill after the
+    warm-up's decode line; a pool mode's counts its step record's passes. The pair is taken
+    at the earlier window's end, interpolated, with the bound from the points beside; the
+    fastest decode line is SGLang's rate at full batch."""
+    window = _serving_module("window")
+    t = 1_800_000_000.0
+    log = "\n".join(["decode_log_interval=10", _prefill_line(t - 9, 1), _decode_line(t - 5, 1, 2.0),
+                     _prefill_line(t, 5), _prefill_line(t + 30, 3), _decode_line(t + 40, 8, 50.0),
+                     _decode_line(t + 50, 6, 70.0)])
+    assert window.traffic_start(log) == t
+    assert window.log_timeline(log, t) == [[40.0, 5 + 3 + 80], [50.0, 5 + 3 + 80 + 60]]
+    assert window.best_line(log, t) == {"tok_s": 70.0, "running": 6}
+    records = [{"t": t - 1, "gpu": [[1, 9.0]], "passes": []},
+               {"t": t + 20, "gpu": [[4, 9.0]] * 10, "passes": [["mixed", 5, 9.0]]},
+               {"t": t + 60, "gpu": [[5, 9.0]] * 20, "passes": []}]
+    assert window.pass_timeline(records, t) == [[20.0, 45], [60.0, 145]]
+    el = {"timeline": {"points": window.pass_timeline(records, t)}}
+    off = {"timeline": {"points": window.log_timeline(log, t)}}
+    w = window.same_window(el, off)
+    assert w["seconds"] == 50.0 and w["tokens"] == round(45 + 100 * 30 / 40) and w["other_tokens"] == 148
+    assert w["ratio"] == (45 + 100 * 30 / 40) / 148 and w["ratio_at_least"] == 45 / 148
+    assert window.interpolate([[10.0, 100]], 5.0) == 50.0 and window.interpolate([[10.0, 100]], 20.0) == 100
+    assert window.same_window(el, {"timeline": {"points": []}}) is None
+    # stored: run_one.py's JSON without traffic_began_wall, its log beside (the first prefill after the warm-up)
+    (tmp_path / "offload24_16.log.gz").write_bytes(__import__("gzip").compress(log.encode()))
+    got = window.timeline_of({"name": "offload24_16"}, tmp_path / "offload24_16")
+    assert got == {"source": "decode log", "began_wall": t, "points": off["timeline"]["points"],
+                   "best_line": {"tok_s": 70.0, "running": 6}}
+
+
+def test_the_offload_target_takes_the_setting_elastic_leads_least_over_the_same_window(tmp_path):
+    """Against SGLang's offload settings that stopped, the offload target compares over the
+    same first seconds (window.py), picks the setting elastic leads least there, and sets the
+    setting's fastest decode line beside: the verdict says where full batch falls short."""
+    targets = _serving_module("targets")
+    el = {**_run("q3elastic32d_cap", 32, pass_rate=250.0), "timeline": {"points": [[50.0, 10000], [100.0, 25000]]}}
+    a = {**_run("q3offload32_50_less2560_cap", 32, log_rate=80.0, server_args=["--cpu-offload-gb", "50"], kv=200000),
+         "timeline": {"points": [[90.0, 5000], [100.0, 9000]], "best_line": {"tok_s": 400.0, "running": 400}}}
+    b = {**_run("q3offload32_34_less2560_cap", 32, log_rate=60.0, server_args=["--cpu-offload-gb", "34"], kv=150000),
+         "timeline": {"points": [[40.0, 2000]], "best_line": {"tok_s": 60.0, "running": 50}}}
+    rows = _rows(targets.targets_table([el, a, b], 3.75), "32 GB Qwen3: >= 2x (uniform) / 3x (skewed) the best --cpu-offload-gb")
+    assert len(rows) == 1
+    runs, measured, verdict = _cells(rows[0])[2:5]
+    assert runs == "q3elastic32d_cap / q3offload32_50_less2560_cap"  # 25000 / 9000 at 100 s, below 8000 / 2000 at 40 s
+    assert measured.startswith("~2.78x over the same first 100 s of the traffic (25000 against 9000 tokens; "
+                               "at least 2.78x between the records' points); means over each run's own window ~3.12x")
+    assert "q3offload32_50_less2560_cap's fastest decode line 400 tok/s at 400 running, q3elastic32d_cap's rate 0.62x" in measured
+    assert verdict == "**met** over the window; below it (0.62x) against q3offload32_50_less2560_cap at full batch"
+
+
+def test_a_card_emulated_on_an_h100_pairs_only_with_runs_on_an_h100(tmp_path):
+    """An H100 holds the same emulated card on slower memory and another host's PCIe: its
+    runs pair with each other, never with the H200's (runs before run_one.py wrote the GPU
+    ran on the H200), and the traffic says which GPU."""
+    targets = _serving_module("targets")
+    h100 = {"name": "NVIDIA H100 80GB HBM3", "total_mib": 81559}
+    rs = [_run("q3elastic32d_cap", 32, pass_rate=233.1),
+          _run("q3offload32_34_less2560_cap", 32, log_rate=62.0, kv=160000, server_args=["--cpu-offload-gb", "34"]),
+          {**_run("q3elastic32d_cap", 32, pass_rate=253.8), "gpu": h100},
+          {**_run("q3offload32_50_less2560_cap", 32, log_rate=77.2, kv=208414,
+                  server_args=["--cpu-offload-gb", "50"]), "gpu": h100},
+          {**_run("q3offload32_34_less2560_cap", 32, log_rate=500.0, kv=160000,
+                  server_args=["--cpu-offload-gb", "34"]), "gpu": {"name": "NVIDIA H200", "total_mib": 143771}}]
+    rows = _rows(targets.targets_table(rs, 3.75), "32 GB Qwen3: >= 2x (uniform) / 3x (skewed) the best --cpu-offload-gb")
+    assert [_cells(r)[1:4] for r in rows] == [
+        ["32 GB, Qwen3-30B-A3B, uniform, 10 req/s x 500, on an H100",
+         "q3elastic32d_cap / q3offload32_50_less2560_cap", "~3.29x (pass record / decode log)"],
+        ["32 GB, Qwen3-30B-A3B, uniform, 10 req/s x 500", "q3elastic32d_cap / q3offload32_34_less2560_cap",
+         "~0.47x (pass record / decode log)"]]
+
+
 def test_the_code_digest_covers_the_servers_code_only(tmp_path):
     """code_digest.py hashes what the server imports (sglang_rimuru/, kernels/, patches/:
     sources and tuned tables), so a benchmark or RESULTS change keeps it and a kernel table
