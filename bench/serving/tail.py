@@ -28,7 +28,7 @@ length, from the lens file of bench_serving's sample; one token came with its pr
   ``1 - (1 - top_k / E) ** b`` (the out set held at the cut's size: restores as the KV frees
   are left out, which errs slow too), and
   the requests still running are the ``running`` longest with ``P`` tokens each, ``P >= D + 1``
-  the most that leaves as many requests running as the record's last batch. Skewed routing
+  the fewest that leave no more requests running than the record's last batch (errs slow). Skewed routing
   reads by its ranking, not this curve: no estimate there.
 
 No GPU, no SGLang.
@@ -124,11 +124,11 @@ def tail(run: dict, records: list[dict], log: str, lens: Path = LENS, began: flo
     touch = shape.top_k / shape.num_experts
     cost = cost_of(run, log)
     out = st["reads_at_cut"] / (1 - (1 - touch) ** st["batch_at_cut"])  # experts offloaded at the cut
-    # the tokens each running request has made: the most that leaves the record's last
-    # batch running (at least D + 1), so the running ones are the longest
+    # the tokens each running request has made beyond D + 1: the fewest that leave no more
+    # requests running than the record's last batch (the running ones the longest; errs slow)
     left = st["left"]
     batch = st["batch_at_cut"]
-    shift = left[batch - 1] - 1 if len(left) > batch and left[batch] < left[batch - 1] else 0
+    shift = left[batch] if len(left) > batch else 0
     est_left = [x - shift for x in left[:batch]]
     tail_s = estimate_tail_s(est_left, batch, out, touch, cost)
     est_s = st["elapsed_s"] + tail_s
