@@ -34,7 +34,7 @@ from pathlib import Path
 from code_digest import run_digest
 from makespan import FASTEST_STEP_MS, LENS, floor, floor_of_run
 from per_rank import rank_table
-from targets import over_card, stopped_rate, targets_table
+from targets import describe, over_card, stopped_rate, targets_table, traffic_of
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -270,6 +270,7 @@ def plots(results: list[dict], out: Path, step_ms: float | None = None, lens: Pa
         fig.savefig(path, dpi=120)
         plt.close(fig)
         made.append(path)
+    made += token_plots(results, out, plt)
     by_system = rate_series(results)
     if by_system:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -299,6 +300,40 @@ def plots(results: list[dict], out: Path, step_ms: float | None = None, lens: Pa
         a1.legend()
         fig.tight_layout()
         path = out / "rate_sweep.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
+def token_plots(results: list[dict], out: Path, plt) -> list[Path]:
+    """Output tokens against seconds from the traffic's start (window.py's timelines), one
+    plot for each set of requests two or more runs with a timeline served (either routing:
+    SGLang's offloader copies the same bytes whatever it), a line a run. Where the lines
+    cross says more than a ratio of two windows' means: SGLang's offloader admits its queue
+    before it decodes, a pool mode decodes from the first seconds."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in results:
+        if (r.get("timeline") or {}).get("points"):
+            t = traffic_of(r)
+            groups[t[:2] + t[3:]].append(r)
+    made = []
+    for key, rs in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        if len(rs) < 2 or key[2] is None:  # phased traffic has no one rate to name it by
+            continue
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for r in sorted(rs, key=lambda r: r["name"]):
+            pts = [[0.0, 0]] + r["timeline"]["points"]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".",
+                    label=f"{r['name']} ({r['timeline']['source']})")
+        ax.set_xlabel("s since the traffic's first request")
+        ax.set_ylabel("output tokens")
+        where = describe(key[:2] + (False,) + key[2:]).replace(", uniform", "")
+        ax.set_title(f"output tokens as the traffic goes on: {where}", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        model, card, rate, _, num, _, gpu = key
+        path = out / f"tokens_{model}_{card:g}GB_r{rate:g}_x{num}_{gpu}.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)
         made.append(path)

@@ -602,6 +602,24 @@ def test_the_offload_target_takes_the_setting_elastic_leads_least_over_the_same_
     assert verdict == "**met** over the window; below it (0.62x) against q3offload32_50_less2560_cap at full batch"
 
 
+def test_runs_on_the_same_requests_share_one_tokens_plot(tmp_path):
+    """report.py --plots: one plot of output tokens against time for each set of requests two
+    or more runs with a timeline served, whatever their routing; a lone run gets none."""
+    pytest.importorskip("matplotlib")
+    report = _serving_module("report")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tl = {"source": "pass record", "points": [[10.0, 100], [20.0, 300]]}
+    rs = [{**_run("q3elastic32d-skew_cap", 32, pass_rate=300.0, skew=1), "model": "q3", "timeline": tl},
+          {**_run("q3offload32_50_less2560_cap", 32, log_rate=80.0), "model": "q3", "timeline": tl},
+          {**_run("elastic24d", 24, pass_rate=200.0, num=150), "timeline": tl}]
+    made = report.token_plots(rs, tmp_path, plt)
+    assert [p.name for p in made] == ["tokens_q3_32GB_r10_x500_H200.png"] and made[0].stat().st_size > 0
+
+
 def test_a_card_emulated_on_an_h100_pairs_only_with_runs_on_an_h100(tmp_path):
     """An H100 holds the same emulated card on slower memory and another host's PCIe: its
     runs pair with each other, never with the H200's (runs before run_one.py wrote the GPU
