@@ -226,24 +226,24 @@ def offload_pair(el: dict, offload: list[dict], traffic: tuple, need: float, len
     """The offload target's runs, measured and verdict for ``el`` against SGLang's settings.
 
     Where ``el`` and a setting on its requests (either routing: offload_elsewhere) both have
-    timelines (window.py) and the setting stopped at its budget, the pair is taken over the same first seconds of the
-    traffic, against the setting ``el`` leads least there: each stopped run's mean is over
-    its own window, and SGLang's offloader spends the start of one on prefill. Beside it, the
-    setting's fastest decode line (its rate at full batch) against ``el``'s rate, which bounds
-    the ratio from below after the window; the verdict says where that falls under the target.
-    Otherwise the best setting by rate, the two rates' ratio as tput_ratio gives it."""
+    timelines (window.py) and the setting stopped at its budget, the pair is taken over the
+    same first seconds of the traffic, against the setting ``el`` leads least there: each
+    stopped run's mean is over its own window, and SGLang's offloader spends the start of one
+    on prefill. Beside it, ``el``'s rate against the setting's fastest decode line (the most it
+    showed, at full batch): the low end of the ratio, and the verdict says where it falls under
+    the target. Otherwise the best setting by rate, the two rates' ratio as tput_ratio gives it."""
     same_requests = lambda r: traffic_of(r)[:2] == traffic[:2] and traffic_of(r)[3:] == traffic[3:]
     windows = [(w, r) for r in offload if same_requests(r) and not done(r) and (w := same_window(el, r)) is not None]
     ceiling = lambda base: (f"; over the whole traffic {base['name']} {c}" if (c := whole_run_ceiling(base, lens))
                             else "")
+    runs = lambda base: pair_of(el, base) + (
+        "" if traffic_of(base) == traffic else f" (anchor on {describe(traffic_of(base))})")
     if not windows:
         base = max(offload, key=tput)
         x, sources = tput_ratio(el, base)
-        other = "" if traffic_of(base) == traffic else f" (anchor on {describe(traffic_of(base))})"
-        return f"{pair_of(el, base)}{other}", fmt(x, sources) + ceiling(base), one_setting(el, base, offload, x, need)
+        return runs(base), fmt(x, sources) + ceiling(base), one_setting(el, base, offload, x, need)
     w, base = min(windows, key=lambda wr: wr[0]["ratio"])
     x, sources = tput_ratio(el, base)
-    other = "" if traffic_of(base) == traffic else f" (anchor on {describe(traffic_of(base))})"
     measured = (f"~{w['ratio']:.2f}x over the same first {w['seconds']:.0f} s of the traffic ({w['tokens']} against "
                 f"{w['other_tokens']} tokens; at least {w['ratio_at_least']:.2f}x between the records' points); "
                 f"means over each run's own window {fmt(x, sources)}")
@@ -256,7 +256,7 @@ def offload_pair(el: dict, offload: list[dict], traffic: tuple, need: float, len
                      f"{el['name']}'s rate {full:.2f}x that")
         if w["ratio"] >= need > full:
             verdict_ += f" over the window; below it ({full:.2f}x) against {base['name']} at full batch"
-    return f"{pair_of(el, base)}{other}", measured + ceiling(base), verdict_
+    return runs(base), measured + ceiling(base), verdict_
 
 
 def pair_of(a: dict, b: dict) -> str:
