@@ -58,11 +58,10 @@ def log_stats(log: str, since: float | None = None) -> dict:
         lines = [x for x in lines if x[0] >= first]
     gen = [(r, g) for _, r, g in lines if g > 0]
     gen_s = sum(r / g for r, g in gen)
-    interval = re.search(r"decode_log_interval=(\d+)", log)
     stats = {
         "peak_running": max(running, default=0),
         "peak_queued": max(queued, default=0),
-        "decode_steps_est": len(re.findall(r"Decode batch", log)) * (int(interval.group(1)) if interval else 40),
+        "decode_steps_est": len(re.findall(r"Decode batch", log)) * log_interval(log),
         "prefill_batches": len(re.findall(r"Prefill batch", log)),
         "retractions": len(re.findall(r"Retract requests", log)),
         "kv_tokens": int(m.group(1)) if (m := re.search(r"max_total_num_tokens=(\d+)", log)) else None,
@@ -72,6 +71,17 @@ def log_stats(log: str, since: float | None = None) -> dict:
     if since is not None:
         stats["lone_step_ms"] = round(statistics.median(lone), 1) if lone else None
     return stats
+
+
+def log_interval(log: str) -> int:
+    """Decode steps a decode line covers: the server's ``--decode-log-interval`` (SGLang's
+    default 40 where its args are not in the log)."""
+    return int(m.group(1)) if (m := re.search(r"decode_log_interval=(\d+)", log)) else 40
+
+
+def read_lines(path: Path) -> list[dict]:
+    """A stored JSON-lines file (an adjuster trace or its step record), gzipped or not."""
+    return [json.loads(x) for x in read_log(path).splitlines() if x.strip()]
 
 
 def read_log(path: Path) -> str:

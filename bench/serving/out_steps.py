@@ -26,11 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from decode_log import read_log
-
-
-def read_lines(path: Path) -> list[dict]:
-    return [json.loads(x) for x in read_log(path).splitlines() if x.strip()]
+from decode_log import read_lines
 
 
 def out_states(trace: list[dict]) -> tuple[list[float], list[tuple[int, int]], list[float]]:

@@ -34,7 +34,7 @@ from pathlib import Path
 from code_digest import run_digest
 from makespan import FASTEST_STEP_MS, LENS, floor, floor_of_run
 from per_rank import rank_table
-from targets import describe, over_card, stopped_rate, targets_table, traffic_of
+from targets import describe, over_card, same_requests, stopped_rate, targets_table, traffic_of
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -312,14 +312,16 @@ def token_plots(results: list[dict], out: Path, plt) -> list[Path]:
     SGLang's offloader copies the same bytes whatever it), a line a run. Where the lines
     cross says more than a ratio of two windows' means: SGLang's offloader admits its queue
     before it decodes, a pool mode decodes from the first seconds."""
-    groups: dict[tuple, list[dict]] = defaultdict(list)
+    groups: list[list[dict]] = []
     for r in results:
         if (r.get("timeline") or {}).get("points"):
-            t = traffic_of(r)
-            groups[t[:2] + t[3:]].append(r)
+            group = next((g for g in groups if same_requests(traffic_of(g[0]), traffic_of(r))), None)
+            group.append(r) if group else groups.append([r])
     made = []
-    for key, rs in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        if len(rs) < 2 or key[2] is None:  # phased traffic has no one rate to name it by
+    for rs in sorted(groups, key=lambda g: str(traffic_of(g[0]))):
+        traffic = traffic_of(rs[0])
+        model, card, _, rate, _, num, _, gpu = traffic
+        if len(rs) < 2 or rate is None:  # phased traffic has no one rate to name it by
             continue
         fig, ax = plt.subplots(figsize=(8, 4))
         for r in sorted(rs, key=lambda r: r["name"]):
@@ -328,11 +330,9 @@ def token_plots(results: list[dict], out: Path, plt) -> list[Path]:
                     label=f"{r['name']} ({r['timeline']['source']})")
         ax.set_xlabel("s since the traffic's first request")
         ax.set_ylabel("output tokens")
-        where = describe(key[:2] + (False,) + key[2:]).replace(", uniform", "")
-        ax.set_title(f"output tokens as the traffic goes on: {where}", fontsize=9)
+        ax.set_title(f"output tokens as the traffic goes on: {describe(traffic, routing=False)}", fontsize=9)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        model, card, rate, _, num, _, gpu = key
         path = out / f"tokens_{model}_{card:g}GB_r{rate:g}_x{num}_{gpu}.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)

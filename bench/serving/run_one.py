@@ -61,7 +61,7 @@ from code_digest import tree_digest  # noqa: E402
 from decode_log import log_stats  # noqa: E402
 from per_rank import SMI_APPS, SMI_GPUS, parse_smi, wants_trace  # noqa: E402
 from phases import aggregate, parse_phases, phase_datasets, phase_summary  # noqa: E402
-from window import best_line, log_timeline, pass_timeline  # noqa: E402
+from window import line_tokens, timeline  # noqa: E402
 
 #: what the lent H200 needs (no flashinfer there; bench/device/setup_device.sh)
 DEVICE_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
@@ -231,13 +231,12 @@ def pass_tokens(lines: list[dict] | None, t_from: float) -> dict | None:
     lines = [x for x in lines or [] if x["t"] > t_from]
     if not lines:
         return None
-    decode = [b for x in lines for b, _ in x.get("gpu", [])]
-    prefill = [(kind, b) for x in lines for kind, b, _ in x.get("passes", [])]
-    tokens = sum(decode) + sum(b for _, b in prefill)
+    kinds = [kind for x in lines for kind, _, _ in x.get("passes", [])]
+    tokens = sum(line_tokens(x) for x in lines)
     seconds = lines[-1]["t"] - t_from
     return {"tokens": tokens, "seconds": round(seconds, 1), "tok_s": round(tokens / seconds, 1) if seconds > 0 else None,
-            "decode_passes": len(decode), "mixed_passes": sum(k == "mixed" for k, _ in prefill),
-            "extend_passes": sum(k == "extend" for k, _ in prefill)}
+            "decode_passes": sum(len(x.get("gpu", [])) for x in lines), "mixed_passes": kinds.count("mixed"),
+            "extend_passes": kinds.count("extend")}
 
 
 def pass_memory(lines: list[dict] | None) -> dict | None:
@@ -497,10 +496,7 @@ def main() -> None:
         "pass_memory": pass_memory(step_lines),
         # output tokens as the traffic goes on, for comparing two stopped runs over the same
         # first seconds (window.py): the pass record's where the server wrote one, else SGLang's log
-        "timeline": ({"source": "pass record", "began_wall": round(began[0], 1),
-                      "points": pass_timeline(step_lines, began[0])} if step_lines else
-                     {"source": "decode log", "began_wall": round(began[0], 1),
-                      "points": log_timeline(log, began[0]), "best_line": best_line(log, began[0])}) if began else None,
+        "timeline": timeline(step_lines, log, began[0]) if began else None,
         "card_cap_log": card_cap_log(log),
         "tracebacks": log.count("Traceback"),
         "bench_log_tail": bench_log[-1500:],

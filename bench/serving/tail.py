@@ -42,16 +42,12 @@ import re
 from pathlib import Path
 
 from card_bound import cost_of
-from decode_log import read_log
+from decode_log import read_lines, read_log
 from makespan import LENS, LENS_SEED, arrivals, load_outputs
 from offload_sweep import shape_of
-from window import began_of
+from window import began_of, line_tokens
 
 QUEUE = re.compile(r"Decode batch, #running-req: (\d+),.*?#queue-req: (\d+)")
-
-
-def read_lines(path: Path) -> list[dict]:
-    return [json.loads(x) for x in read_log(path).splitlines() if x.strip()]
 
 
 def remaining_steps(run: dict, records: list[dict], log: str, outputs: list[int], began: float) -> dict:
@@ -78,7 +74,7 @@ def remaining_steps(run: dict, records: list[dict], log: str, outputs: list[int]
     left = sorted((o - made for o in outputs if o > made), reverse=True)
     if len(left) < batch:
         raise ValueError(f"{len(left)} requests ask more than {made} tokens, fewer than the {batch} running at the cut")
-    tokens = sum(b for x in rows for b, _ in x.get("gpu", [])) + sum(b for x in rows for _, b, _ in x.get("passes", []))
+    tokens = sum(line_tokens(x) for x in rows)
     at_cut = [ms for b, ms, _ in steps if b == batch]
     return {"elapsed_s": elapsed, "tokens": tokens, "decodes_after_last_prefill": decodes_after,
             "batch_at_cut": batch, "slowest_step_at_cut_ms": max(at_cut), "left": left,

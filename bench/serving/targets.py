@@ -65,13 +65,19 @@ def traffic_of(r: dict) -> tuple:
             r.get("num_prompts"), r.get("seed", 1), gpu_of(r))
 
 
-def describe(traffic: tuple) -> str:
+def same_requests(a: tuple, b: tuple) -> bool:
+    """Two traffics (traffic_of) of the same requests at the same arrival times on one card,
+    model and GPU, whatever their routing."""
+    return a[:2] == b[:2] and a[3:] == b[3:]
+
+
+def describe(traffic: tuple, routing: bool = True) -> str:
     model, card, skew, rate, phases, num, seed, gpu = traffic
     load = ("phases " + ",".join(f"{p:g}:{n}" for p, n in phases)) if phases else (
         f"all at once x {num}" if rate == float("inf") else f"{rate:g} req/s x {num}")
     return (f"{card:g} GB, {'Qwen3-30B-A3B' if model == 'q3' else 'Qwen1.5-MoE'}, "
-            f"{'skewed' if skew else 'uniform'}, {load}" + (f", seed {seed}" if seed != 1 else "")
-            + (f", on an {gpu}" if gpu != "H200" else ""))
+            + (f"{'skewed' if skew else 'uniform'}, " if routing else "")
+            + load + (f", seed {seed}" if seed != 1 else "") + (f", on an {gpu}" if gpu != "H200" else ""))
 
 
 def over_card(r: dict) -> bool:
@@ -199,7 +205,7 @@ def offload_elsewhere(by_traffic: dict, traffic: tuple) -> list[dict]:
         return [r for other, systems in by_traffic.items()
                 if other[:2] == traffic[:2] and other[-1] == traffic[-1] and match(other)
                 for r in systems.get("offload", [])]
-    return on(lambda other: other[3:] == traffic[3:]) or on(lambda other: not other[4])
+    return on(lambda other: same_requests(other, traffic)) or on(lambda other: not other[4])
 
 
 def one_setting(el: dict, base: dict, offload: list[dict], x: float | None, need: float) -> str:
@@ -232,8 +238,8 @@ def offload_pair(el: dict, offload: list[dict], traffic: tuple, need: float, len
     on prefill. Beside it, ``el``'s rate against the setting's fastest decode line (the most it
     showed, at full batch): the low end of the ratio, and the verdict says where it falls under
     the target. Otherwise the best setting by rate, the two rates' ratio as tput_ratio gives it."""
-    same_requests = lambda r: traffic_of(r)[:2] == traffic[:2] and traffic_of(r)[3:] == traffic[3:]
-    windows = [(w, r) for r in offload if same_requests(r) and not done(r) and (w := same_window(el, r)) is not None]
+    windows = [(w, r) for r in offload if same_requests(traffic_of(r), traffic) and not done(r)
+               and (w := same_window(el, r)) is not None]
     ceiling = lambda base: (f"; over the whole traffic {base['name']} {c}" if (c := whole_run_ceiling(base, lens))
                             else "")
     runs = lambda base: pair_of(el, base) + (

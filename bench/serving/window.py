@@ -33,7 +33,7 @@ import re
 import time
 from pathlib import Path
 
-from decode_log import DECODE, STAMP, read_log, stamp
+from decode_log import DECODE, STAMP, log_interval, read_lines, read_log, stamp
 
 LINE = re.compile(r"\[(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[^\]\n]*\][^\n]*?(?:(?P<decode>Decode batch, #running-req: "
                   r"(?P<r>\d+),)|(?P<prefill>Prefill batch, #new-seq: (?P<n>\d+),))")
@@ -54,7 +54,7 @@ def traffic_start(log: str) -> float | None:
 def log_timeline(log: str, began: float) -> list[list[float]]:
     """``[seconds from began, output tokens by then]`` at each decode-log line from ``began``
     on (its second: the stamps are whole seconds)."""
-    interval = int(m.group(1)) if (m := re.search(r"decode_log_interval=(\d+)", log)) else 40
+    interval = log_interval(log)
     points, tokens = [], 0
     for m in LINE.finditer(log):
         t = stamp(m["ts"])
@@ -77,15 +77,31 @@ def best_line(log: str, began: float) -> dict | None:
     return {"tok_s": g, "running": r}
 
 
+def line_tokens(line: dict) -> int:
+    """Output tokens of one step-record line's passes: one a request in each decode pass
+    (``"gpu"`` rows) and in each extend or mixed pass (``"passes"``; one too many for a
+    request whose prompt chunk was not its last)."""
+    return sum(b for b, _ in line.get("gpu", [])) + sum(b for _, b, _ in line.get("passes", []))
+
+
 def pass_timeline(records: list[dict], began: float) -> list[list[float]]:
     """``[seconds from began, output tokens by then]`` at each step-record line after ``began``."""
     points, tokens = [], 0
     for x in records:
         if x["t"] <= began:
             continue
-        tokens += sum(b for b, _ in x.get("gpu", [])) + sum(b for _, b, _ in x.get("passes", []))
+        tokens += line_tokens(x)
         points.append([round(x["t"] - began, 1), tokens])
     return points
+
+
+def timeline(records: list[dict] | None, log: str, began: float) -> dict:
+    """A run's ``"timeline"``: its step record's points where the server wrote one (pool
+    modes), else its decode log's with SGLang's fastest line."""
+    if records:
+        return {"source": "pass record", "began_wall": round(began, 1), "points": pass_timeline(records, began)}
+    return {"source": "decode log", "began_wall": round(began, 1), "points": log_timeline(log, began),
+            "best_line": best_line(log, began)}
 
 
 def began_of(run: dict, base: Path, records: list[dict] | None) -> float | None:
@@ -109,18 +125,14 @@ def timeline_of(run: dict, base: Path) -> dict | None:
     where it has one (pool modes), else its decode log (SGLang). None without either, or
     without the traffic's start."""
     steps = base.with_name(base.name + "_trace.steps.jsonl.gz")
-    records = [json.loads(x) for x in read_log(steps).splitlines() if x.strip()] if steps.exists() else None
+    records = read_lines(steps) if steps.exists() else None
     began = began_of(run, base, records)
     if began is None:
         return None
     if records is not None:
-        return {"source": "pass record", "began_wall": round(began, 1), "points": pass_timeline(records, began)}
+        return timeline(records, "", began)
     log_path = base.with_name(base.name + ".log.gz")
-    if not log_path.exists():
-        return None
-    log = read_log(log_path)
-    return {"source": "decode log", "began_wall": round(began, 1), "points": log_timeline(log, began),
-            "best_line": best_line(log, began)}
+    return timeline(None, read_log(log_path), began) if log_path.exists() else None
 
 
 def at_or_before(points: list[list[float]], t: float) -> float:
