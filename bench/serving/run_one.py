@@ -58,7 +58,7 @@ from sglang_rimuru.serving import start_local_server  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from code_digest import tree_digest  # noqa: E402
-from decode_log import log_stats  # noqa: E402
+from decode_log import log_stats, read_lines  # noqa: E402
 from per_rank import SMI_APPS, SMI_GPUS, parse_smi, wants_trace  # noqa: E402
 from phases import aggregate, parse_phases, phase_datasets, phase_summary  # noqa: E402
 from window import line_tokens, timeline  # noqa: E402
@@ -195,9 +195,7 @@ def read_jsonl(path: Path) -> list[dict] | None:
     """The lines of a JSON-lines file the server writes (the adjuster trace, one object per
     order; its step record, ``step_record_path`` of the trace, one per dump), or None when
     the run wrote none."""
-    if not path.exists():
-        return None
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return read_lines(path) if path.exists() else None
 
 
 def step_summary(lines: list[dict] | None, width: int = 8) -> list[list] | None:
