@@ -420,7 +420,16 @@ class Adjuster:
             admits = max(load.running + head, after) - batch
         if cost.eviction_pays(batch, admits, offloaded, new, kv_per_request, kv_per_expert):
             return True
-        if cap is None or cost.eager(offloaded) or not cost.eager([*offloaded, *new]):
+        if cap is None:
+            return False
+        # A queue waits: these victims may be the first step of a move it would carry on.
+        # Priced as one: the move that turns the prefills eager (its share is paid once,
+        # a shortfall's few victims never win it back), and a step that gains, but less
+        # than the margin (at a large batch one request is a small share of a step:
+        # cost.py's last paragraph).
+        crossing = cost.eager([*offloaded, *new]) and not cost.eager(offloaded)
+        if not crossing and not cost.eviction_pays(batch, admits, offloaded, new, kv_per_request,
+                                                   kv_per_expert, margin=0.0):
             return False
         return self._leaving_pays(load, cap, batch, kv_per_request, kv_per_expert, len(victims),
                                   frozenset(self._out_keys()))
@@ -443,13 +452,15 @@ class Adjuster:
 
     def _leaving_pays(self, load: Load, cap: int, batch: int, kv_per_request: float, kv_per_expert: float,
                       n_victims: int, out: frozenset[tuple[int, int]]) -> bool:
-        """From a state whose prefills replay (``out`` out), while requests wait: whether
-        some larger move (the coldest experts the offload limit still lets go, doubling
-        from ``2 * n_victims``) pays, the eager-prefill share included. The move that
-        turns prefills eager pays that share for every later one, which is priced on
-        decode alone; a shortfall's few victims alone could never win it back, even
-        where cold experts would (skewed routing). Up to ~0.7 ms at 720 candidates: a
-        round that asks as the last one did (a queue standing still) reuses its answer."""
+        """From the state with ``out`` out, while requests wait: whether some larger move
+        (the coldest experts the offload limit still lets go, doubling from
+        ``2 * n_victims``) pays, by the model's margin, the eager-prefill share included.
+        Asked for a shortfall's victims that turn the prefills eager (the move that does
+        pays that share for every later one, which is priced on decode alone; a few
+        victims alone could never win it back, even where cold experts would: skewed
+        routing) and for victims that gain less than the margin (``_pays``). Up to ~0.7
+        ms at 720 candidates: a round that asks as the last one did (a queue standing
+        still) reuses its answer."""
         key = (self.cost, batch, load.running, load.waiting, cap, kv_per_request, kv_per_expert, n_victims, out)
         if self._leaving_memo is not None and self._leaving_memo[0] == key:
             return self._leaving_memo[1]

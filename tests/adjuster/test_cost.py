@@ -331,3 +331,24 @@ def test_cold_experts_under_replay_max_p_cost_no_eager_share():
     assert r == pytest.approx(5 / (1.25 + touched(0.005, 5) * 0.1))
     r0 = dataclasses.replace(m, replay_max_p=0.0).restored_throughput(6, [0.3, 0.005], 10, 10)
     assert r0 == pytest.approx(4 / 1.2)  # there the j = 1 state keeps the share: all back (j = 2) wins
+
+
+#: Qwen3-30B-A3B at 32 GB on one H100 (bench/RESULTS.md, twenty-ninth session): the step line
+#: the server fitted, an expert's 9 MiB = 96 tokens of KV (98,304 B a token), ~474 tokens a
+#: running request, 4,771 of 6,144 experts out, a token routed to 8 of 128
+QWEN3_H100 = CostModel(expert_ms=0.171, base_ms=5.90, per_request_ms=0.170)
+UNIFORM_Q3 = 8 / 128
+
+
+def test_at_a_large_batch_a_step_that_pays_gains_less_than_the_margin():
+    out = [UNIFORM_Q3] * 4771
+    # a 32-page shortfall's 11 victims free the KV of 2 more requests at batch 267: +0.49 %
+    gain = QWEN3_H100.throughput(269, out + [UNIFORM_Q3] * 11) / QWEN3_H100.throughput(267, out)
+    assert gain == pytest.approx(1.0049, abs=1e-4)
+    assert not QWEN3_H100.eviction_pays(267, 2, out, [UNIFORM_Q3] * 11, 474, 96)
+    assert QWEN3_H100.eviction_pays(267, 2, out, [UNIFORM_Q3] * 11, 474, 96, margin=0.0)
+    # twice the victims for 5 more: +1.3 %, past the margin
+    assert QWEN3_H100.eviction_pays(267, 5, out, [UNIFORM_Q3] * 22, 474, 96)
+    # Qwen1.5 at 32 GB: uniform experts lose at any size, with or without the margin
+    assert not QWEN15.eviction_pays(30, 1, [], [UNIFORM] * 6, margin=0.0)
+    assert not QWEN15.eviction_pays(30, 8, [], [UNIFORM] * 40, KV_PER_REQUEST, KV_PER_EXPERT, margin=0.0)

@@ -1153,3 +1153,22 @@ def test_the_card_bound_takes_the_logged_fit_where_no_expert_moved():
     assert cb.cost_of({"trace": {"cost_ms": moved}}, log) is moved
     with pytest.raises(SystemExit, match="no fitted step line"):
         cb.cost_of(run, POOL_LOG)
+
+
+def test_priced_out_rounds_of_a_stored_run_asked_again_of_todays_adjuster():
+    """bench/serving/priced_out.py on the H100 run whose queue waited at full batch
+    (bench/RESULTS.md, twenty-ninth session): its pool (8,529 pages of 3 MiB, 272,927 KV
+    tokens) and resident sets rebuilt from its trace, each logged priced-out round handed
+    to plan_round. At 125.8 s (261 running, 81 waiting, R_b 32) the 11 victims gain less
+    than the margin and today's adjuster carries them on as the first step of a larger
+    move; at 216.8 s, with 10 waiting, no larger move clears it. The 24 GB skewed Qwen1.5
+    run's rounds stay priced out."""
+    po = _serving_module("priced_out")
+    rows = po.replay(ROOT / "bench/results/device_h100_2026-12-05f/q3elastic32d_cap")
+    by_s = {r["s"]: r for r in rows}
+    assert [r["s"] for r in rows] == [33.8, 64.8, 94.8, 125.8, 155.8, 186.8, 216.8]
+    assert {k: by_s[125.8][k] for k in ("running", "waiting", "r_b", "out", "evicts", "reason", "larger_move")} == {
+        "running": 261, "waiting": 81, "r_b": 32, "out": 4772, "evicts": 11, "reason": "kv_short", "larger_move": True}
+    assert (by_s[216.8]["evicts"], by_s[216.8]["reason"], by_s[216.8]["larger_move"]) == (0, "priced_out", False)
+    skew = po.replay(ROOT / "bench/results/device_h200_2026-12-04d/elastic24d-skew")
+    assert [(r["evicts"], r["reason"]) for r in skew] == [(0, "priced_out")]
