@@ -10,17 +10,19 @@ can be judged on the states real runs reached before it runs on a GPU:
 
 * the pool at the run's geometry (its log's "elastic pool:" line: expert pages,
   their bytes, the load buffers; the model's KV bytes a token), bookkeeping only;
-* the experts out: the resident sets of the run's last order before the line
-  (its adjuster trace ``NAME_trace.jsonl.gz``); the ranking its server read, or
-  uniform;
-* the KV: that order's ``kv_pages_used``, held by the running requests in equal runs;
+* the experts out: the resident sets of the run's last order completed before the
+  line (its adjuster trace ``NAME_trace.jsonl.gz``, written at each completion); the
+  ranking its server read, or uniform;
+* the KV: that order's ``kv_pages_used`` at its completion, held by the running
+  requests in equal runs (before the queue filled the pages the order freed);
 * the step line and read price that order was priced with (``cost_ms``);
 * the shortfall: the line's R_b; the load: its running and waiting, one request
   at the head, nothing in the radix cache alone.
 
 What the line does not say is assumed: no order in flight (the server's R_b
 counts in-flight victims' pages, which it subtracts), and the KV and experts of
-the last order, up to ~30 s old. So a round's answer is the adjuster's on a state
+the last completed order, up to ~30 s old, so the rebuilt pool has more free KV
+than the run's had where the queue took what that order freed. So a round's answer is the adjuster's on a state
 close to the run's, not the run's own round. Prints one row per line: the run,
 seconds from its first order, running, waiting, R_b, what today's adjuster does
 (the victims it sends out, or "priced out") and whether it asked a larger move
