@@ -4,7 +4,7 @@ The H200 runs of issues 10 and 12 go through these two scripts, and device time
 is short: a crash in the harness would waste a whole call. Here the same path
 runs end to end on the tiny model in elastic mode: the launcher, SGLang's
 bench_serving with ShareGPT-format traffic, the log and trace summaries, the
-JSON, and the report's tables (plots need matplotlib, which CI may lack).
+JSON, and the report's tables and plots (matplotlib comes with the test extra).
 """
 
 from __future__ import annotations
@@ -605,7 +605,6 @@ def test_the_offload_target_takes_the_setting_elastic_leads_least_over_the_same_
 def test_runs_on_the_same_requests_share_one_tokens_plot(tmp_path):
     """report.py --plots: one plot of output tokens against time for each set of requests two
     or more runs with a timeline served, whatever their routing; a lone run gets none."""
-    pytest.importorskip("matplotlib")
     report = _serving_module("report")
     import matplotlib
 
@@ -1172,3 +1171,18 @@ def test_priced_out_rounds_of_a_stored_run_asked_again_of_todays_adjuster():
     assert (by_s[216.8]["evicts"], by_s[216.8]["reason"], by_s[216.8]["larger_move"]) == (0, "priced_out", False)
     skew = po.replay(ROOT / "bench/results/device_h200_2026-12-04d/elastic24d-skew")
     assert [(r["evicts"], r["reason"]) for r in skew] == [(0, "priced_out")]
+
+
+def test_report_plots_the_pool_split_and_the_rate_sweep_of_stored_runs(tmp_path):
+    """report.py --plots on stored H200 runs (skewed, 32 GB, plain against elastic at 1, 5 and
+    10 req/s): one split plot for the run with an adjuster trace that moved experts, and the
+    rate sweep with the traffic's ceiling; each a PNG."""
+    report = _serving_module("report")
+    r = ROOT / "bench/results/device_h200_2026-12-05"
+    runs = report.load([str(r / f"{n}.json") for n in ("elastic32-skew", "elastic32-skew_r1", "off32-skew",
+                                                        "off32-skew_r1", "off32-skew_r5")])
+    made = report.plots(runs, tmp_path, step_ms=3.75)
+    assert [p.name for p in made] == ["elastic32-skew_split.png", "rate_sweep.png"]
+    for p in made:
+        data = p.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
