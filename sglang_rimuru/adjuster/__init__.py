@@ -28,7 +28,7 @@ from .policy import FLAGS, REASONS, AdjusterPolicy, Decision
 from .selection import pick_offloaded_at_start, pick_restores, pick_victims
 
 if TYPE_CHECKING:
-    from .adjuster import Adjuster, AdjusterStats, Load, RoundRecord
+    from .adjuster import Adjuster, AdjusterStats, EvictionPrice, Load, RoundRecord
 
 __all__ = [
     "FLAGS",
@@ -40,6 +40,7 @@ __all__ = [
     "AdjusterStats",
     "Load",
     "Decision",
+    "EvictionPrice",
     "ExpertMove",
     "MigrationOrder",
     "OrderError",
@@ -52,7 +53,7 @@ __all__ = [
     "pick_victims",
 ]
 
-_LAZY = {"Adjuster", "AdjusterStats", "Load", "RoundRecord"}
+_LAZY = {"Adjuster", "AdjusterStats", "EvictionPrice", "Load", "RoundRecord"}
 
 
 def __getattr__(name: str):

@@ -68,7 +68,7 @@ from .selection import pick_restores, pick_victims
 if TYPE_CHECKING:
     from sglang_rimuru.experts import ExpertRanking, ExpertResidency
 
-__all__ = ["Adjuster", "AdjusterStats", "Load", "RoundRecord"]
+__all__ = ["Adjuster", "AdjusterStats", "EvictionPrice", "Load", "RoundRecord"]
 
 
 class Load(NamedTuple):
@@ -90,6 +90,22 @@ class Load(NamedTuple):
     #: KV pages only the radix cache holds (evictable prefixes of finished requests):
     #: not a running request's KV, so not counted in its size
     cached: int = 0
+
+
+class EvictionPrice(NamedTuple):
+    """How the cost-aware adjuster priced a prefill shortfall's victims (``last_price``):
+    the batch the KV holds now, the requests the victims' pages admit, decode tokens per
+    ms in the reference state and after (``CostModel.eviction_price``; ``after`` None
+    when the victims admit no request), the KV pages a running request holds, and the
+    answer of the larger move the queue would carry on (None: not asked)."""
+
+    batch: int
+    admits: int
+    victims: int
+    reference: float
+    after: float | None
+    kv_per_request: float
+    larger_move: bool | None
 
 
 class RoundRecord(NamedTuple):
@@ -164,6 +180,7 @@ class Adjuster:
         self._coldest = {l: sorted(range(residency.shape.num_experts), key=lambda e, l=l: (self._token_p[l][e], e))
                          for l in residency.shape.layer_ids}
         self._leaving_memo: tuple | None = None  # (inputs, answer) of the last _leaving_pays
+        self._last_price: EvictionPrice | None = None
         self._seq = 0
         self._last_round: int | None = None
         self._in_flight: dict[int, MigrationOrder] = {}  # seq -> order, insertion = seq order
@@ -192,6 +209,7 @@ class Adjuster:
         if self._last_round is not None and round_no <= self._last_round:
             raise ValueError(f"round_no must increase: got {round_no} after {self._last_round}")
         self._last_round = round_no
+        self._last_price = None
         pool, ppe = self.page_pool, self.policy.pages_per_expert
         stats = pool.stats()
         r_b = stats.missing_expert_pages(kv_pages_needed)
@@ -320,6 +338,12 @@ class Adjuster:
         return self._last
 
     @property
+    def last_price(self) -> EvictionPrice | None:
+        """How the last ``plan_round`` priced a prefill shortfall's victims; None where it
+        priced none (no cost model or load, a decode shortfall, the low water, no victim)."""
+        return self._last_price
+
+    @property
     def last_seq(self) -> int:
         """``seq`` of the last order planned; 0 before the first."""
         return self._seq
@@ -418,6 +442,9 @@ class Adjuster:
             after = self._kv_batch(load, cap + len(victims) * kv_per_expert, kv_per_request)
             head = load.admits if load.running == 0 else 0
             admits = max(load.running + head, after) - batch
+        self._last_price = EvictionPrice(batch, admits, len(new), *(
+            cost.eviction_price(batch, admits, offloaded, new, kv_per_request, kv_per_expert)
+            if batch > 0 and admits > 0 else (cost.throughput(batch, offloaded), None)), kv_per_request, None)
         if cost.eviction_pays(batch, admits, offloaded, new, kv_per_request, kv_per_expert):
             return True
         if cap is None:
@@ -431,8 +458,10 @@ class Adjuster:
         if not crossing and not cost.eviction_pays(batch, admits, offloaded, new, kv_per_request,
                                                    kv_per_expert, margin=0.0):
             return False
-        return self._leaving_pays(load, cap, batch, kv_per_request, kv_per_expert, len(victims),
-                                  frozenset(self._out_keys()))
+        larger = self._leaving_pays(load, cap, batch, kv_per_request, kv_per_expert, len(victims),
+                                    frozenset(self._out_keys()))
+        self._last_price = self._last_price._replace(larger_move=larger)
+        return larger
 
     def _leave_candidates(self, out: frozenset[tuple[int, int]]) -> list[float]:
         """Probabilities, ascending, of the experts a larger move could still send out

@@ -79,6 +79,22 @@ class WorkerTurns(Protocol):
         """Apply and acknowledge what the worker took (``block``: wait for its copies)."""
 
 
+def price_text(price, margin: float) -> str:
+    """The numbers behind a priced-out prefill shortfall (``Adjuster.last_price``), for its
+    log line: what a reader needs to tell a loss from a gain under the margin."""
+    if price is None:
+        return ""
+    head = (f"; priced at batch {price.batch}: {price.victims} experts out admit "
+            f"{price.admits if price.after is not None else 'none'}")
+    kv = f"{price.kv_per_request:.0f} KV pages a running request"
+    if price.after is None:
+        return f"{head} ({kv})"
+    gain = (price.after / price.reference - 1.0) * 100 if price.reference > 0 else float("inf")
+    larger = {None: "not asked", True: "pays", False: "does not pay"}[price.larger_move]
+    return (f"{head}, {price.reference * 1e3:.4g} -> {price.after * 1e3:.4g} decode tok/s ({gain:+.2f} %, "
+            f"margin {margin * 100:g} %), a larger move {larger}; {kv}")
+
+
 class ElasticController:
     #: a priced-out shortfall repeats every round it lasts: one log line per this many seconds
     PRICED_OUT_LOG_S = 30.0
@@ -276,9 +292,10 @@ class ElasticController:
                 self._priced_out_logged = now
                 logger.info("sglang-rimuru round %d: eviction priced out (%s; %d rounds so far): the offloaded "
                             "experts' PCIe time per decode step would cost more than the requests it admits "
-                            "(running %d, waiting %d); SGLang queues or retracts instead", round_no,
+                            "(running %d, waiting %d); SGLang queues or retracts instead%s", round_no,
                             "decode short" if urgent else f"R_b={last.short_pages}", self._priced_out,
-                            self._running, self._waiting)
+                            self._running, self._waiting,
+                            price_text(self.adjuster.last_price, self.adjuster.cost.margin))
         self._round += 1
         encoded = None if order is None else encode(order)
         if self.agreement is not None:

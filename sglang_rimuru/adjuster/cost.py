@@ -219,10 +219,17 @@ class CostModel:
             return False
         if batch <= 0:
             return True  # nothing runs: any request admitted is pure gain
+        ref, after = self.eviction_price(batch, admit, offloaded, victims, kv_per_request, kv_per_expert)
+        return after > (1.0 + (self.margin if margin is None else margin)) * ref
+
+    def eviction_price(self, batch: int, admit: int, offloaded: list[float], victims: list[float],
+                       kv_per_request: float = 0.0, kv_per_expert: float = 0.0) -> tuple[float, float]:
+        """``(reference, after)`` in decode tokens per ms, as ``eviction_pays`` weighs them:
+        today's (or the best state that brings experts back, given the KV sizes) and the
+        one with ``victims`` out and ``admit`` more requests running."""
         now = self.throughput(batch, offloaded)
         ref = max(now, self.restored_throughput(batch, offloaded, kv_per_request, kv_per_expert))
-        after = self.throughput(batch + admit, [*offloaded, *victims])
-        return after > (1.0 + (self.margin if margin is None else margin)) * ref
+        return ref, self.throughput(batch + admit, [*offloaded, *victims])
 
     def keep_beats_retract(self, batch: int, offloaded: list[float], victims: list[float],
                            kv_per_request: float = 0.0, kv_per_expert: float = 0.0) -> bool:

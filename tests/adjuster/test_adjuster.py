@@ -723,11 +723,22 @@ def test_a_queue_carries_on_a_step_that_gains_less_than_the_margin():
     assert order.reason == "kv_short: R_b=10 F_b=0 in_flight_pages=0"
     assert [m.key for m in order.evict] == victims
     assert adj._leaving_memo[1] is True  # the larger move was asked, and pays
+    # what the round priced (the controller logs it with a priced-out round)
+    price = adj.last_price
+    assert (price.batch, price.admits, price.victims, price.kv_per_request, price.larger_move) == (23, 6, 4, 4.0, True)
+    assert price.after / price.reference == pytest.approx(1.0622, abs=1e-4)
     adj, out, order = plan(0.05)
     assert step_gain(adj, out) == pytest.approx(1.0372, abs=1e-4)
     assert order is None and adj.stats().decisions["priced_out"] == 1 and adj._leaving_memo[1] is False
+    assert adj.last_price.larger_move is False
     adj, out, order = plan(0.1)
     assert step_gain(adj, out) == pytest.approx(0.9736, abs=1e-4)
     assert order is None and adj._leaving_memo is None  # a step that loses asks no larger move
+    assert adj.last_price.larger_move is None and adj.last_price.after < adj.last_price.reference
     adj, _, order = plan(0.03, waiting=0)
     assert order is None and adj.stats().decisions["priced_out"] == 1 and adj._leaving_memo is None
+    # no queue: priced at today's batch, for the head's one request
+    assert adj.last_price[:3] == (23, 1, 4)
+    # no shortfall: the low water's pre-emptive price is no shortfall's
+    assert adj.plan_round(1, 0, Load(running=23, admits=1)).reason.startswith("low_water")
+    assert adj.last_price is None

@@ -563,7 +563,9 @@ def test_a_priced_out_shortfall_is_counted_and_logged_once_per_interval(elastic,
     lines = [r.getMessage() for r in caplog.records if "priced out" in r.getMessage()]
     assert lines == ["sglang-rimuru round 0: eviction priced out (R_b=7; 1 rounds so far): the offloaded "
                      "experts' PCIe time per decode step would cost more than the requests it admits "
-                     "(running 4, waiting 5); SGLang queues or retracts instead"]
+                     "(running 4, waiting 5); SGLang queues or retracts instead; priced at batch 4: 3 experts "
+                     "out admit 2, 0.00194 -> 0.001378 decode tok/s (-29.00 %, margin 1 %), a larger move not "
+                     "asked; 0 KV pages a running request"]
     assert free_pages(e.pool) == [78, 79, 80, 81, 82, 83]  # nothing moved
 
 
