@@ -26,7 +26,8 @@ than the run's had where the queue took what that order freed. So a round's answ
 close to the run's, not the run's own round. Prints one row per line: the run,
 seconds from its first order, running, waiting, R_b, what today's adjuster does
 (the victims it sends out, or "priced out") and whether it asked a larger move
-(``Adjuster._leaving_pays``) and how that answered. Needs torch (CPU); no GPU, no SGLang.
+(``Adjuster._leaving_pays``) and how that answered; where the line carries the price
+the server itself weighed (servers since f50877c), that too. Needs torch (CPU); no GPU, no SGLang.
 """
 
 from __future__ import annotations
@@ -58,6 +59,25 @@ from sglang_rimuru.pool import PoolGeometry, UnifiedPagePool  # noqa: E402
 #: (running 261, waiting 81); ..."
 PRICED_OUT = re.compile(r"\[(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[^\]\n]*\][^\n]*?eviction priced out \(R_b=(?P<rb>\d+);"
                         r"[^\n]*?\(running (?P<running>\d+), waiting (?P<waiting>\d+)\)")
+#: what servers since f50877c add to that line: "; priced at batch 267: 11 experts out admit 2,
+#: 307.9 -> 309.4 decode tok/s (+0.49 %, margin 1 %), a larger move does not pay; 474 KV pages a
+#: running request" (``sglang_rimuru.adjuster.controller.price_text``)
+PRICE = re.compile(r"; priced at batch (?P<batch>\d+): (?P<victims>\d+) experts out admit (?P<admits>\d+|none)"
+                   r"(?:, (?P<ref>[\d.e+-]+) -> (?P<after>[\d.e+-]+) decode tok/s \((?P<gain>[+-][\d.]+|[+-]?inf) %, "
+                   r"margin [\d.]+ %\), a larger move (?P<larger>not asked|pays|does not pay))?")
+
+
+def logged_price(line: str) -> dict | None:
+    """The price a priced-out line carries (servers since f50877c), None before."""
+    m = PRICE.search(line)
+    if m is None:
+        return None
+    out = {"batch": int(m["batch"]), "victims": int(m["victims"]),
+           "admits": None if m["admits"] == "none" else int(m["admits"])}
+    if m["ref"] is not None:
+        out.update(reference_tok_s=float(m["ref"]), after_tok_s=float(m["after"]), gain_pct=float(m["gain"]),
+                   larger_move={"not asked": None, "pays": True, "does not pay": False}[m["larger"]])
+    return out
 
 
 def moe_shape_of(run: dict) -> MoEShape:
@@ -124,7 +144,8 @@ def replay(path: Path) -> list[dict]:
                      "kv_pages_used": record["pool"]["kv_pages_used"], "evicts": len(order.evict) if order else 0,
                      "restores": len(order.restore) if order else 0,
                      "reason": order.reason.split(":")[0] if order else adj.last_round.decision.reason,
-                     "larger_move": None if memo is None else memo[1]})
+                     "larger_move": None if memo is None else memo[1],
+                     "logged": logged_price(log[m.start():log.find("\n", m.start())])})
     return rows
 
 
@@ -149,7 +170,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="write the rows as JSON")
     args = ap.parse_args()
     rows = [row for path in args.runs for row in replay(path)]
-    cols = ("run", "s", "running", "waiting", "r_b", "out", "kv_pages_used", "evicts", "reason", "larger_move")
+    cols = ("run", "s", "running", "waiting", "r_b", "out", "kv_pages_used", "evicts", "reason", "larger_move", "logged")
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r[c]) for c in cols))

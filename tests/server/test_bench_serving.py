@@ -1186,3 +1186,25 @@ def test_report_plots_the_pool_split_and_the_rate_sweep_of_stored_runs(tmp_path)
     for p in made:
         data = p.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_priced_out_reads_the_price_a_servers_line_carries():
+    """The price the controller appends to a priced-out line (price_text) is what
+    priced_out.py reads back: the same numbers, for a gain under the margin and for
+    victims that admit none."""
+    from sglang_rimuru.adjuster import EvictionPrice
+    from sglang_rimuru.adjuster.controller import price_text
+
+    po = _serving_module("priced_out")
+    head = ("[2026-12-06 10:00:00] sglang-rimuru round 7: eviction priced out (R_b=32; 3 rounds so far): the "
+            "offloaded experts' PCIe time per decode step would cost more than the requests it admits (running "
+            "261, waiting 81); SGLang queues or retracts instead")
+    under = price_text(EvictionPrice(267, 2, 11, 0.3079, 0.3094, 474.2, False), 0.01)
+    assert under == ("; priced at batch 267: 11 experts out admit 2, 307.9 -> 309.4 decode tok/s (+0.49 %, "
+                     "margin 1 %), a larger move does not pay; 474 KV pages a running request")
+    assert po.PRICED_OUT.search(head + under)["rb"] == "32"
+    assert po.logged_price(head + under) == {"batch": 267, "victims": 11, "admits": 2, "reference_tok_s": 307.9,
+                                             "after_tok_s": 309.4, "gain_pct": 0.49, "larger_move": False}
+    none = price_text(EvictionPrice(305, 36, 36, 0.3, None, 400.0, None), 0.01)
+    assert po.logged_price(head + none) == {"batch": 305, "victims": 36, "admits": None}
+    assert po.logged_price(head) is None
