@@ -240,7 +240,8 @@ class Adjuster:
                     if n_restore and not queue_prices else [])
         if not victims and not restores and p == 0 and self.cost is not None and load is not None:
             # the thresholds restore nothing (or are priced) while requests wait; the price may
-            restores = self._restores_that_pay(load, max(0, f_b - taken) if r_b == 0 else f_b, stats, frozen)
+            restores = self._restores_that_pay(load, max(0, f_b - taken) if r_b == 0 else f_b, stats, frozen,
+                                               refused=r_b > 0)
             if restores:
                 decision = Decision(0, len(restores), "restore_pays")
         if queue_prices and not restores:
@@ -438,6 +439,7 @@ class Adjuster:
             # queue lasts (restores wait for whole free expert pages). On the H200 a
             # burst's first eviction (6 running, 144 waiting) passed on the head's count.
             cap = kv_used + self.page_pool.kv_capacity_now()
+            kv_per_request = self._admission_size(load, cap, kv_per_request, refused=True)
             batch = max(load.running, self._kv_batch(load, cap, kv_per_request))
             after = self._kv_batch(load, cap + len(victims) * kv_per_expert, kv_per_request)
             head = load.admits if load.running == 0 else 0
@@ -525,6 +527,21 @@ class Adjuster:
         return min(load.running + load.waiting, int(kv // kv_per_request))
 
     @staticmethod
+    def _admission_size(load: Load, cap: int, kv_per_request: float, refused: bool) -> float:
+        """KV pages a running request holds as SGLang's admission counts them: the running
+        requests' own size, unless SGLang ``refused`` the queue's head although ``cap`` at
+        that size holds every waiting request. Its admission also counts the KV the
+        running requests will still take (its decode reservation), so at their own size
+        no victim ever admitted a request: on one H100 (bench/RESULTS.md, thirtieth
+        session) every logged priced-out round of a Qwen3-30B-A3B burst said "admit none"
+        at 280-409 KV pages a request, with 6-123 waiting, while its decode log counted 435
+        a request. At SGLang's own size its KV holds the running requests and no more:
+        ``cap / running``."""
+        if refused and load.running > 0 and cap // kv_per_request >= load.running + load.waiting:
+            return cap / load.running
+        return kv_per_request
+
+    @staticmethod
     def _kv_per_request(load: Load, kv_used: int) -> float:
         """KV pages a running request holds: the used pages less the radix cache's own
         (a cache full of finished requests' prefixes made each request look larger,
@@ -539,7 +556,8 @@ class Adjuster:
         return (self.cost is not None and load is not None and not load.urgent
                 and load.running > 0 and load.waiting > 0)
 
-    def _restores_that_pay(self, load: Load, free_pages: int, stats, frozen) -> list[tuple[int, int]]:
+    def _restores_that_pay(self, load: Load, free_pages: int, stats, frozen,
+                           refused: bool = False) -> list[tuple[int, int]]:
         """The experts to bring back into ``free_pages`` whole free expert pages (less the
         high water) while requests wait: the most (up to the policy's per-round limit,
         most probable first) whose return beats the batch the KV would otherwise hold;
@@ -551,6 +569,7 @@ class Adjuster:
         stayed out while the queue lasted (restores waited for the high water):
         on the H200 (bench/RESULTS.md) 12 uniform experts stayed out for 80 s of
         a burst with 20-55 whole expert pages free and the head refused.
+        ``refused``: SGLang refused the queue's head this round (``_admission_size``).
         """
         ppe = self.policy.pages_per_expert
         # Leave the high water free: the running requests grow into free pages every
@@ -569,6 +588,7 @@ class Adjuster:
         if kv_per_request <= 0:
             return []
         cap = kv_used + self.page_pool.kv_capacity_now()
+        kv_per_request = self._admission_size(load, cap, kv_per_request, refused)
         batch = max(load.running, self._kv_batch(load, cap, kv_per_request))
         keys = self._out_keys()
         offloaded, out = [self._token_p[l][e] for l, e in keys], frozenset(keys)

@@ -742,3 +742,38 @@ def test_a_queue_carries_on_a_step_that_gains_less_than_the_margin():
     # no shortfall: the low water's pre-emptive price is no shortfall's
     assert adj.plan_round(1, 0, Load(running=23, admits=1)).reason.startswith("low_water")
     assert adj.last_price is None
+
+
+def test_a_refused_head_is_priced_at_sglangs_size_where_the_running_size_holds_everyone():
+    """Ten requests of 4 KV pages run, five wait, and SGLang refuses the head 10 expert pages
+    short, although 52 KV pages are free: at the running requests' size (4) the KV holds
+    23, every waiting request. SGLang's admission also counts what the running requests
+    will still take (its decode reservation). Priced at their size no victim admitted
+    anyone (and a restore of free pages cost no request, so cheap reads brought experts
+    back while the head waited); on one H100 every logged priced-out round of a Qwen3
+    burst said "admit none". At SGLang's own size, the KV holding the running ten and no
+    more (9.2 pages each), the four victims admit two."""
+    from sglang_rimuru.adjuster import Load
+    from sglang_rimuru.adjuster.cost import CostModel
+
+    victims = [(0, 2), (1, 2), (1, 3), (0, 5)]
+
+    def plan(expert_ms, waiting=5):
+        rig = make_rig(pages=100, limit=6)
+        assert rig.pool.alloc_kv_runs([4] * 10) is not None
+        assert (rig.pool.stats().kv_pages_used, rig.pool.kv_capacity_now()) == (40, 52)
+        adj = Adjuster(AdjusterPolicy(), rig.pool, rig.residency, rig.ranking,
+                       cost=CostModel(expert_ms=expert_ms, base_ms=1.0, per_request_ms=0.05))
+        load = Load(running=10, admits=1, waiting=waiting)
+        return adj, load, adj.plan_round(0, 52 + 20, load)
+
+    adj, load, order = plan(0.01)
+    assert order.reason == "kv_short: R_b=10 F_b=26 in_flight_pages=0"
+    assert [m.key for m in order.evict] == victims and not order.restore
+    assert adj.last_price[:3] == (10, 2, 4) and adj.last_price.kv_per_request == pytest.approx(9.2)
+    assert adj._admission_size(load, 92, 4.0, refused=True) == pytest.approx(9.2)
+    assert adj._admission_size(load, 92, 4.0, refused=False) == 4.0  # nothing refused: their size
+    # twenty waiting: the KV at their size (23) does not hold everyone (30), their size stands
+    assert adj._admission_size(load._replace(waiting=20), 92, 4.0, refused=True) == 4.0
+    adj, _, order = plan(0.1)  # reads dear: the two requests do not pay for four experts
+    assert order is None and adj.stats().decisions["priced_out"] == 1
