@@ -86,18 +86,15 @@ def moe_shape_of(run: dict) -> MoEShape:
                     inter=s.moe_intermediate_size, top_k=s.top_k, dtype=torch.bfloat16)
 
 
-def rebuild(run: dict, log: str, record: dict, ranking: ExpertRanking, shape: MoEShape,
+def rebuild(geo: PoolGeometry, offload_limit: int, record: dict, ranking: ExpertRanking, shape: MoEShape,
             running: int) -> tuple[UnifiedPagePool, ExpertResidency]:
     """The run's pool and residency as ``record`` (one trace line) left them, its KV held
     by ``running`` requests in equal runs."""
-    pool_line = pool_of(log)
-    geo = PoolGeometry(total_bytes=pool_line["pages"] * pool_line["page_bytes"],
-                       expert_page_bytes=pool_line["page_bytes"], kv_page_bytes=shape_of(run).kv_bytes_per_token)
     pool = UnifiedPagePool(geo)
     buffers = record["pool"]["load_buffer_pages"]
     if pool.alloc_expert_pages(buffers, [("load_buffer", i) for i in range(buffers)]) is None:
         raise SystemExit("priced_out.py: the pool cannot hold the run's load buffers")
-    residency = ExpertResidency(shape, ranking, pool_line["offload_limit"])
+    residency = ExpertResidency(shape, ranking, offload_limit)
     sets = {int(l): set(es) for l, es in record["resident_sets"].items()}
     residency.place_all_but(pool, [(l, e) for l in shape.layer_ids for e in range(shape.num_experts)
                                    if e not in sets[l]])
@@ -122,6 +119,9 @@ def replay(path: Path) -> list[dict]:
     shape = moe_shape_of(run)
     ranking_path = ranking_of(run)
     ranking = ExpertRanking.default(shape) if ranking_path is None else load_ranking(ranking_path, shape)
+    pool_line = pool_of(log)
+    geo = PoolGeometry(total_bytes=pool_line["pages"] * pool_line["page_bytes"],
+                       expert_page_bytes=pool_line["page_bytes"], kv_page_bytes=shape_of(run).kv_bytes_per_token)
     t0 = trace[0]["t"]
     rows = []
     for m in PRICED_OUT.finditer(log):
@@ -131,20 +131,20 @@ def replay(path: Path) -> list[dict]:
             continue
         record = before[-1]
         running, waiting, r_b = int(m["running"]), int(m["waiting"]), int(m["rb"])
-        pool, residency = rebuild(run, log, record, ranking, shape, running)
+        pool, residency = rebuild(geo, pool_line["offload_limit"], record, ranking, shape, running)
         c = record["cost_ms"]
         cost = CostModel(expert_ms=c["expert"], base_ms=c["base"], per_request_ms=c["per_request"],
                          eager_prefill_share=c.get("eager_prefill_share", 0.0), replay_max_p=c.get("replay_max_p", 0.0))
         adj = Adjuster(AdjusterPolicy(), pool, residency, ranking, cost=cost)
         need = _kv_pages_for(pool, r_b)
         order = adj.plan_round(0, need, Load(running=running, admits=1, waiting=waiting))
-        memo = adj._leaving_memo
+        price = adj.last_price
         rows.append({"run": path.name, "s": round(t - t0, 1), "running": running, "waiting": waiting, "r_b": r_b,
                      "out": sum(shape.num_experts - len(v) for v in record["resident_sets"].values()),
                      "kv_pages_used": record["pool"]["kv_pages_used"], "evicts": len(order.evict) if order else 0,
                      "restores": len(order.restore) if order else 0,
                      "reason": order.reason.split(":")[0] if order else adj.last_round.decision.reason,
-                     "larger_move": None if memo is None else memo[1],
+                     "larger_move": None if price is None else price.larger_move,
                      "logged": logged_price(log[m.start():log.find("\n", m.start())])})
     return rows
 

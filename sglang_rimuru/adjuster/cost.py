@@ -219,8 +219,12 @@ class CostModel:
             return False
         if batch <= 0:
             return True  # nothing runs: any request admitted is pure gain
-        ref, after = self.eviction_price(batch, admit, offloaded, victims, kv_per_request, kv_per_expert)
-        return after > (1.0 + (self.margin if margin is None else margin)) * ref
+        return self.beats(*self.eviction_price(batch, admit, offloaded, victims, kv_per_request, kv_per_expert),
+                          margin=margin)
+
+    def beats(self, reference: float, after: float, margin: float | None = None) -> bool:
+        """Whether ``after`` beats ``reference`` by ``margin`` (default: the model's)."""
+        return after > (1.0 + (self.margin if margin is None else margin)) * reference
 
     def eviction_price(self, batch: int, admit: int, offloaded: list[float], victims: list[float],
                        kv_per_request: float = 0.0, kv_per_expert: float = 0.0) -> tuple[float, float]:
