@@ -39,15 +39,26 @@ import time
 import torch
 
 from rimuru_kernels import pack_contiguous_weights, paged_fused_moe
-from rimuru_kernels.moe_config import get_paged_moe_config, get_paged_moe_down_config
+from rimuru_kernels.moe_config import (config_files, device_name, get_paged_moe_config,
+                                       get_paged_moe_down_config)
 from rimuru_kernels.paged_moe import _silu_and_mul
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from paged_rig import capture_graph  # noqa: E402
 
-E, H, I, TOP_K = 128, 2048, 768, 8  # Qwen3-30B-A3B's MoE layer
+# the MoE layer's shape (--shape): E experts, hidden H, intermediate I, top-k
+SHAPES = {"qwen3": (128, 2048, 768, 8), "qwen1.5": (60, 2048, 1408, 4)}
+E, H, I, TOP_K = SHAPES["qwen3"]  # Qwen3-30B-A3B's MoE layer
 IH = I * H
 EXPERT_BYTES = 3 * IH * 2
+
+
+def set_shape(name: str) -> None:
+    """Point the module's shape at ``name`` (every function reads it at call time)."""
+    global E, H, I, TOP_K, IH, EXPERT_BYTES
+    E, H, I, TOP_K = SHAPES[name]
+    IH = I * H
+    EXPERT_BYTES = 3 * IH * 2
 
 
 BLOCKING_SYNC = False  # --blocking-sync
@@ -146,7 +157,11 @@ def main() -> None:
     ap.add_argument("--configs", default="kernel", help="kernel (its own tables: --rimuru-moe-kernel fast), "
                     "sglang (SGLang's launch configs, what serving's default exact kernel uses) or both: "
                     "the compact layout runs once per kind")
+    ap.add_argument("--shape", default="qwen3", choices=sorted(SHAPES),
+                    help="the MoE layer: qwen3 (Qwen3-30B-A3B, 48 layers) or qwen1.5 (Qwen1.5-MoE-A2.7B, "
+                         "24 layers: pass --layers 24)")
     args = ap.parse_args()
+    set_shape(args.shape)
     global BLOCKING_SYNC
     BLOCKING_SYNC = args.blocking_sync
     t_start = time.time()
@@ -161,7 +176,10 @@ def main() -> None:
     paged = pack_contiguous_weights(w13, w2)
     del w13, w2
     pool, table0, pe = paged.pool, paged.page_table, paged.page_elems
-    res = {"layers": L, "region_gib": args.region_gib, "blocking_sync": BLOCKING_SYNC, "expert_bytes": EXPERT_BYTES,
+    res = {"shape": args.shape, "device": torch.cuda.get_device_name(),
+           "configs_read": [str(f) for f in config_files(E, I, device_name(torch.device("cuda")))
+                            if f is not None],
+           "layers": L, "region_gib": args.region_gib, "blocking_sync": BLOCKING_SYNC, "expert_bytes": EXPERT_BYTES,
            "thp_enabled": open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
            if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") else None, "rows": []}
     # the copy engine's ceiling: one 1 GiB pinned copy

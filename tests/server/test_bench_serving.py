@@ -1208,3 +1208,47 @@ def test_priced_out_reads_the_price_a_servers_line_carries():
     none = price_text(EvictionPrice(305, 36, 36, 0.3, None, 400.0, None), 0.01)
     assert po.logged_price(head + none) == {"batch": 305, "victims": 36, "admits": None}
     assert po.logged_price(head) is None
+
+
+def test_the_warmup_steps_before_the_traffic_give_each_machines_read_rate(tmp_path):
+    """warmup_reads.py: the batch-1 steps the step record holds before the traffic began
+    (not the traffic's own, whatever their batch), their median, the reads over it in GB/s
+    at the model's expert bytes (Qwen3: 9 MiB), and the kernel the start line named; a
+    warm-up that reads almost nothing gives no rate."""
+    import gzip
+
+    wr = _serving_module("warmup_reads")
+    mib9 = 3 * 768 * 2048 * 2
+    records = [{"t": 990.0, "steps": [[1, 40.0, 200.0], [1, 44.0, 200.0]]},
+               {"t": 999.5, "steps": [[1, 42.0, 200.0]]},
+               {"t": 1001.0, "steps": [[1, 10.0, 200.0], [30, 500.0, 3000.0]]}]  # after the traffic began
+    base = tmp_path / "q3elastic32d_cap"
+    with gzip.open(f"{base}_trace.steps.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    with gzip.open(f"{base}.log.gz", "wt") as f:
+        f.write("[2026-12-06 00:27:00] sglang-rimuru elastic pool: ...; MoE kernel: auto -> no tuned table of "
+                "the fast kernel for this shape on this GPU: exact (SGLang's configs, ...)\n")
+    run = {"name": "q3elastic32d_cap", "model": "q3", "traffic_began_wall": 1000.0, "code_digest": "abc"}
+    w = wr.warmup_rate(run, base)
+    assert (w["steps"], w["reads"], w["median_ms"], w["kernel"]) == (3, 200.0, 42.0, "exact")
+    assert w["GBps"] == round(200 * mib9 / 42e6, 1)
+    records[0]["steps"] = [[1, 4.0, 0.2]] * 3  # a ranking kept every expert it reads
+    records[1]["steps"] = []
+    with gzip.open(f"{base}_trace.steps.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    assert wr.warmup_rate(run, base)["GBps"] is None
+    assert wr.kernel_of("MoE kernel: fast (configs E=128,N=768,device_name=NVIDIA_H200.json; ...)") == "fast"
+
+
+def test_zero_copy_scale_takes_either_models_moe_layer():
+    """bench/kernel/zero_copy_scale.py --shape: every size the script derives follows the
+    layer it is pointed at (Qwen1.5-MoE-A2.7B's expert is 16.5 MiB, Qwen3-30B-A3B's 9)."""
+    from tests.conftest import bench_module
+
+    zcs = bench_module("kernel/zero_copy_scale.py")
+    try:
+        zcs.set_shape("qwen1.5")
+        assert (zcs.E, zcs.I, zcs.TOP_K, zcs.EXPERT_BYTES) == (60, 1408, 4, 16.5 * 2**20)
+    finally:
+        zcs.set_shape("qwen3")
+    assert (zcs.E, zcs.I, zcs.TOP_K, zcs.EXPERT_BYTES) == (128, 768, 8, 9 * 2**20)

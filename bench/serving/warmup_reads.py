@@ -1,0 +1,101 @@
+"""How fast each run's machine read offloaded experts in place, from the warm-up before its traffic.
+
+    python3 bench/serving/warmup_reads.py RUN_DIR/NAME [...] [--vs RUN_DIR/NAME]
+
+Two runs of one server code on two machines of one kind need not read host memory at one
+rate: on four H100s lent for the same Qwen3 card (bench/RESULTS.md, thirty-first session) the
+same 36 warm-up decode steps took 40 ms or 58-63 ms. A pool-mode run's step record begins
+with those steps, before its first request (``window.began_of``): batch 1, the same
+resident split and so the same expected in-place reads in every run of one model, card and
+ranking. Their median time is the machine's, and the code's, lone step, and their reads over
+it a rate of the host link that the traffic's steps do not give cleanly (those mix batch
+sizes, prefill passes and the adjuster's moves). A ratio of two runs' output tokens says as
+much about their machines as about their servers where these differ.
+
+Per run: the steps counted, their batch (1), expected reads a step, median ms, and GB/s
+(reads x the model's expert bytes over the median: a floor of the link's rate, the step's
+own compute counted in; none where a step reads fewer than ``MIN_READS`` experts, as under
+a ranking that keeps the hot ones, and the step is mostly compute); with ``--vs``, each
+run's median over that run's. Also the MoE kernel the server's start line names (``auto -> ...: exact`` where
+the GPU has no tuned table of the fast kernel): the kernel sets the rate as much as the link.
+No GPU, no SGLang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode_log import read_lines, read_log  # noqa: E402
+from offload_sweep import shape_of  # noqa: E402
+from window import began_of  # noqa: E402
+
+#: the start line's "...; MoE kernel: auto -> no tuned table ...: exact (SGLang's configs, ...)"
+KERNEL = re.compile(r"MoE kernel: (?:auto -> [^:]*: )?(exact|fast)\b")
+MIN_READS = 10  # expected reads a warm-up step below which its GB/s is left out
+
+
+def warmup_steps(records: list[dict], began: float) -> list[list[float]]:
+    """The decode steps ([batch, ms, expected reads]) the record holds before the traffic began."""
+    return [s for r in records if r["t"] <= began for s in r.get("steps", [])]
+
+
+def kernel_of(log: str) -> str | None:
+    m = KERNEL.search(log)
+    return m.group(1) if m else None
+
+
+def warmup_rate(run: dict, base: Path) -> dict | None:
+    """The run's warm-up figures, or None where it has no step record or no traffic start."""
+    steps_path = base.with_name(base.name + "_trace.steps.jsonl.gz")
+    if not steps_path.exists():
+        return None
+    records = read_lines(steps_path)
+    began = began_of(run, base, records)
+    steps = warmup_steps(records, began) if began is not None else []
+    lone = [s for s in steps if s[0] == 1]
+    if not lone:
+        return None
+    ms = statistics.median(s[1] for s in lone)
+    reads = statistics.median(s[2] for s in lone)
+    log_path = base.with_name(base.name + ".log.gz")
+    return {"run": run["name"], "gpu": run.get("gpu"), "code_digest": run.get("code_digest"),
+            "kernel": kernel_of(read_log(log_path)) if log_path.exists() else None,
+            "steps": len(lone), "reads": round(reads, 1), "median_ms": round(ms, 2),
+            "GBps": round(reads * shape_of(run).expert_bytes / (ms * 1e6), 1) if reads >= MIN_READS else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", help="RUN_DIR/NAME of each run (NAME.json beside its step record)")
+    ap.add_argument("--vs", help="RUN_DIR/NAME: each run's median warm-up step over this run's")
+    args = ap.parse_args()
+
+    def of(name: str) -> dict | None:
+        base = Path(name)
+        return warmup_rate(json.loads(base.with_name(base.name + ".json").read_text()), base)
+
+    ref = of(args.vs) if args.vs else None
+    if args.vs and ref is None:
+        raise SystemExit(f"warmup_reads.py: {args.vs} has no warm-up steps to compare with")
+    print("| run | dir | code | kernel | warm-up steps | reads a step | median ms | GB/s |"
+          + (" vs |" if ref else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if ref else ""))
+    for name in args.runs:
+        w = of(name)
+        if w is None:
+            print(f"| {Path(name).name} | {Path(name).parent.name} | no step record or warm-up | | | | | |")
+            continue
+        vs = f" {w['median_ms'] / ref['median_ms']:.2f}x |" if ref else ""
+        print(f"| {w['run']} | {Path(name).parent.name} | {w['code_digest']} | {w['kernel']} | {w['steps']} | "
+              f"{w['reads']} | {w['median_ms']} | {'' if w['GBps'] is None else w['GBps']} |{vs}")
+
+
+if __name__ == "__main__":
+    main()
