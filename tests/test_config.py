@@ -50,14 +50,26 @@ def test_auto_kernel_elastic_is_fast_with_a_tuned_table():
                              routed_scaling_factor=1.0) == ("fast", f"elastic mode with a tuned table ({Q15_TABLE})")
 
 
-@pytest.mark.parametrize(("deterministic", "table", "scale", "why"), [
-    (True, Q15_TABLE, None, "--enable-deterministic-inference: SGLang's arithmetic, outputs equal --rimuru-mode off"),
-    (False, None, None, "no tuned table of the fast kernel for this shape on this GPU"),
-    (False, Q15_TABLE, 2.5, "routed_scaling_factor 2.5, which the fast top-k sum does not apply"),
+def test_auto_kernel_elastic_without_a_tuned_table_is_fast_on_the_default_table():
+    """SGLang's default config, which exact would take, reads host pages in 64 B rows above E tokens."""
+    kernel, why = choose_moe_kernel("auto", "elastic", deterministic=False, tuned_table=None,
+                                    routed_scaling_factor=None)
+    assert kernel == "fast" and why.startswith("no tuned table for this shape on this GPU: the kernel's default "
+                                               "table (BLOCK_K >= 64")
+
+
+@pytest.mark.parametrize(("deterministic", "table", "scale", "fits", "why"), [
+    (True, Q15_TABLE, None, True,
+     "--enable-deterministic-inference: SGLang's arithmetic, outputs equal --rimuru-mode off"),
+    (False, Q15_TABLE, 2.5, True, "routed_scaling_factor 2.5, which the fast top-k sum does not apply"),
+    (False, None, None, False, "the fast kernel's table (the default table) has tiles larger than this GPU's "
+                               "shared memory"),
+    (False, Q15_TABLE, None, False, f"the fast kernel's table ({Q15_TABLE}) has tiles larger than this GPU's "
+                                    "shared memory"),
 ])
-def test_auto_kernel_elastic_falls_back_to_exact(deterministic, table, scale, why):
+def test_auto_kernel_elastic_falls_back_to_exact(deterministic, table, scale, fits, why):
     assert choose_moe_kernel("auto", "elastic", deterministic=deterministic, tuned_table=table,
-                             routed_scaling_factor=scale) == ("exact", why)
+                             routed_scaling_factor=scale, table_fits=fits) == ("exact", why)
 
 
 @pytest.mark.parametrize("kernel", ["exact", "fast"])

@@ -305,6 +305,7 @@ def test_moe_kernel_fast_leaves_the_kernel_its_own_defaults(monkeypatch):
 
     monkeypatch.delenv("RIMURU_KERNELS_CONFIG_DIR", raising=False)
     monkeypatch.setattr(moe_config, "device_name", lambda device: "NVIDIA_H200")
+    monkeypatch.setattr(moe_config, "device_shared_bytes", lambda device: H200_SHARED_BYTES)
     monkeypatch.setattr(sglang_moe, "resolve_targets", lambda: pytest.fail("fast must not use SGLang's functions"))
     fast = RimuruConfig(mode="static", moe_kernel="fast")
     q15 = MoEShape(num_experts=60, hidden=2048, inter=1408, top_k=4, layer_ids=(0, 1), dtype=torch.bfloat16)
@@ -320,9 +321,15 @@ def test_moe_kernel_fast_leaves_the_kernel_its_own_defaults(monkeypatch):
         RimuruRuntime.kernel_hooks(fast, _moe_layers(2.5, 2.5), q15, None, torch.device("cuda"))
 
 
+#: a block's opt-in shared memory on the H200 and H100 (Triton's max_shared_mem), and on Ada
+H200_SHARED_BYTES, ADA_SHARED_BYTES = 232_448, 101_376
+
+
 def test_moe_kernel_auto_in_elastic_mode(monkeypatch):
-    """auto: elastic runs the fast kernel where it has a tuned table (Qwen1.5-MoE on the H200),
-    exact without one, and exact under SGLang's deterministic inference."""
+    """auto: elastic runs the fast kernel with its tuned table (Qwen1.5-MoE on the H200), or
+    with its default table for a shape without one where that fits the GPU's shared memory
+    (exact where it does not: an Ada card's 99 KiB), and exact under SGLang's deterministic
+    inference."""
     from types import SimpleNamespace
 
     import torch
@@ -335,6 +342,8 @@ def test_moe_kernel_auto_in_elastic_mode(monkeypatch):
 
     monkeypatch.delenv("RIMURU_KERNELS_CONFIG_DIR", raising=False)
     monkeypatch.setattr(moe_config, "device_name", lambda device: "NVIDIA_H200")
+    shared = [H200_SHARED_BYTES]
+    monkeypatch.setattr(moe_config, "device_shared_bytes", lambda device: shared[0])
     fakes = {"try_get_optimal_moe_config": None, "get_config_dtype_str": lambda dtype: None, "silu_and_mul": object(),
              "_use_moe_sum_reduce_torch_compile": None, "moe_sum_reduce_torch_compile": None, "moe_sum_reduce": None}
     monkeypatch.setattr(sglang_moe, "resolve_targets", lambda: fakes)
@@ -348,8 +357,16 @@ def test_moe_kernel_auto_in_elastic_mode(monkeypatch):
                      "SiLU*up fused, Triton top-k sum)")
     tp2 = MoEShape(num_experts=60, hidden=2048, inter=704, top_k=4, layer_ids=(0, 1), dtype=torch.bfloat16)
     hooks, words = RimuruRuntime.kernel_hooks(elastic, _moe_layers(None), tp2, args, torch.device("cuda"))
+    assert hooks == KernelHooks() and words.startswith(
+        "auto -> no tuned table for this shape on this GPU: the kernel's default table (BLOCK_K >= 64, ")
+    assert words.endswith(": fast (configs default.json; SiLU*up fused, Triton top-k sum)")
+    shared[0] = ADA_SHARED_BYTES  # default.json's BM 16 x BN 128 x BK 128 tiles, two stages, fused: 136 KiB
+    hooks, words = RimuruRuntime.kernel_hooks(elastic, _moe_layers(None), tp2, args, torch.device("cuda"))
     assert hooks != KernelHooks() and words.startswith(
-        "auto -> no tuned table of the fast kernel for this shape on this GPU: exact (")
+        "auto -> the fast kernel's table (the default table) has tiles larger than this GPU's shared memory: exact (")
+    hooks, words = RimuruRuntime.kernel_hooks(elastic, _moe_layers(None), q15, args, torch.device("cuda"))
+    assert hooks != KernelHooks() and "(E=60,N=1408,device_name=NVIDIA_H200.json + " in words  # 192 KiB tiles
+    shared[0] = H200_SHARED_BYTES
     args.enable_deterministic_inference = True
     hooks, words = RimuruRuntime.kernel_hooks(elastic, _moe_layers(None), q15, args, torch.device("cuda"))
     assert hooks != KernelHooks() and words.startswith("auto -> --enable-deterministic-inference: ")
@@ -377,6 +394,7 @@ def test_moe_kernel_exact_gives_the_kernel_sglang_functions(monkeypatch):
     assert words.startswith("exact (SGLang's configs, silu_and_mul and top-k sum")
     # the default, auto, is exact in static mode and says so
     monkeypatch.setattr("rimuru_kernels.moe_config.device_name", lambda device: "NVIDIA_H200")
+    monkeypatch.setattr("rimuru_kernels.moe_config.device_shared_bytes", lambda device: H200_SHARED_BYTES)
     hooks, words = RimuruRuntime.kernel_hooks(RimuruConfig(mode="static"), _moe_layers(None), shape, args,
                                               torch.device("cuda"))
     assert hooks.act_and_mul is silu

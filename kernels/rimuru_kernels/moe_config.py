@@ -92,6 +92,30 @@ def _nearest(configs: dict[int, dict], num_tokens: int) -> dict:
     return dict(configs[min(configs, key=lambda m: abs(m - num_tokens))])
 
 
+def pipeline_shared_bytes(config: dict, fused: bool, elem_bytes: int = 2) -> int:
+    """Shared memory one launch of ``config`` pipelines, as an upper estimate: ``num_stages``
+    (Triton's default 3 where the config names none) copies of the A tile (BM x BK) and of
+    the B tile (BK x BN), two B tiles where SiLU*up is fused (the gate and the up row of
+    each column)."""
+    bm, bn, bk = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]
+    return config.get("num_stages", 3) * (bm * bk + (2 if fused else 1) * bk * bn) * elem_bytes
+
+
+def table_fits(table: dict[int, dict], shared_bytes: int, fused: bool = True) -> bool:
+    """Whether every entry of ``table`` pipelines within ``shared_bytes`` (a block's opt-in
+    limit: 227 KiB on Hopper, 163 on A100, 99 on Ada and consumer Ampere). The kernel's
+    ``default.json`` needs up to 136 KiB fused (BM 16, BN 128, BK 128, 2 stages): a GPU
+    short of that would fail at its first launch of such a tile."""
+    return all(pipeline_shared_bytes(c, fused) <= shared_bytes for c in table.values())
+
+
+def device_shared_bytes(device: torch.device) -> int:
+    """The most shared memory one block may use on ``device`` (Triton's opt-in limit)."""
+    import triton
+
+    return int(triton.runtime.driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"])
+
+
 def get_paged_moe_config(
     num_experts: int, inter_size: int, num_tokens: int, device: torch.device
 ) -> dict:

@@ -132,3 +132,25 @@ def test_shape_without_a_table_reads_default_and_no_down_table():
     # Qwen1.5-MoE-A2.7B at TP2 (N=704) has no table: default.json, and the down GEMM takes its config
     assert moe_config.config_files(60, 704, "NVIDIA_H200") == (moe_config.CONFIG_DIR / "default.json", None)
     assert moe_config.config_files(60, 1408, "Some_Other_GPU") == (moe_config.CONFIG_DIR / "default.json", None)
+
+
+def test_the_shared_memory_estimate_bounds_what_triton_asked_for_on_the_h200():
+    """pipeline_shared_bytes is an upper estimate: for tiles the tuner failed to compile on
+    the H200 (bench/results/tune_paged_moe_h200.json.gz, "Required: N" of Triton's
+    OutOfResources, limit 232,448 B) it gives at least what Triton asked for, so a table
+    that fits by it fits the GPU. The shipped tables of the served shapes fit the H200;
+    default.json (136 KiB fused at BM 16, BN 128, BK 128, 2 stages) fits Hopper and A100
+    (163 KiB), not a 99 KiB Ada card."""
+    failed = [((16, 256, 64, 5), 270_336), ((128, 128, 128, 3), 294_912), ((16, 128, 256, 3), 278_528),
+              ((128, 256, 128, 2), 327_680)]
+    for (bm, bn, bk, stages), required in failed:
+        config = {"BLOCK_SIZE_M": bm, "BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "num_stages": stages}
+        assert moe_config.pipeline_shared_bytes(config, fused=True) >= required
+        assert not moe_config.table_fits({1: config}, 232_448)
+    default = moe_config.load_configs(60, 704, "NVIDIA_H200")  # no table for this shape: default.json
+    assert max(moe_config.pipeline_shared_bytes(c, True) for c in default.values()) == 136 * 1024
+    assert moe_config.table_fits(default, 232_448) and moe_config.table_fits(default, 166_912)
+    assert not moe_config.table_fits(default, 101_376)
+    for E, N in ((60, 1408), (128, 768)):
+        assert moe_config.table_fits(moe_config.load_configs(E, N, "NVIDIA_H200"), 232_448)
+        assert moe_config.table_fits(moe_config.load_down_configs(E, N, "NVIDIA_H200"), 232_448, fused=False)

@@ -408,7 +408,8 @@ class RimuruRuntime:
         * ``fast``: ``KernelHooks()``, the kernel's own defaults: its config tables
           (``rimuru_kernels/configs``, looked up by E, N = the per-shard
           intermediate size and the token count; ``default.json`` for a shape or
-          GPU without a table), SiLU*up fused into the gate/up GEMM, its Triton
+          GPU without a table, which ``auto`` takes only where it fits the GPU's
+          shared memory), SiLU*up fused into the gate/up GEMM, its Triton
           top-k sum. Refused for layers with a ``routed_scaling_factor`` other
           than 1, which that sum does not apply.
         """
@@ -419,14 +420,20 @@ class RimuruRuntime:
             raise RuntimeError(f"--rimuru-mode: MoE layers use different routed_scaling_factor values {scales}")
         scale = scales.pop()
         tables = tuned = None
+        fits = True
         if config.moe_kernel != "exact":  # the fast kernel's tables for this shape on this GPU
-            up, down = moe_config.config_files(shape.num_experts, shape.inter, moe_config.device_name(device))
+            name = moe_config.device_name(device)
+            up, down = moe_config.config_files(shape.num_experts, shape.inter, name)
             tables = up.name + (f" + {down.name}" if down else "")
             tuned = None if up.name == moe_config.DEFAULT_CONFIG_FILE else tables
+            limit = moe_config.device_shared_bytes(device)
+            down_table = moe_config.load_down_configs(shape.num_experts, shape.inter, name)
+            fits = (moe_config.table_fits(moe_config.load_configs(shape.num_experts, shape.inter, name), limit)
+                    and (down_table is None or moe_config.table_fits(down_table, limit, fused=False)))
         kernel, why = choose_moe_kernel(
             config.moe_kernel, config.mode,
             deterministic=bool(getattr(server_args, "enable_deterministic_inference", False)),
-            tuned_table=tuned, routed_scaling_factor=scale)
+            tuned_table=tuned, routed_scaling_factor=scale, table_fits=fits)
         chosen = "" if config.moe_kernel != "auto" else f"auto -> {why}: "
         if kernel == "fast":
             if scale not in (None, 1.0):
