@@ -309,24 +309,28 @@ class RimuruConfig:
 
 
 def choose_moe_kernel(choice: str, mode: str, *, deterministic: bool, tuned_table: str | None,
-                      routed_scaling_factor: float | None, table_fits: bool = True) -> tuple[str, str]:
+                      routed_scaling_factor: float | None, table_fits: bool = True,
+                      sglang_tuned: bool = False) -> tuple[str, str]:
     """The paged kernel a server runs for ``--rimuru-moe-kernel choice``, and why.
 
     ``exact`` and ``fast`` are taken as given. ``auto``:
 
     * static: ``exact``. Its outputs equal mode off's, and a layer that keeps every
       expert runs SGLang's own MoE on the pool's pages (as fast as plain SGLang).
-    * elastic: ``fast``, with the kernel's tuned table for the shape on this GPU
-      (``tuned_table``) or else its default table. Elastic's residency moves, so it
-      always runs the paged kernel; at SGLang's launch configs that kernel took 1.052x
-      plain SGLang's decode step at Qwen1.5-MoE batch 8, with its own tables 0.987x
-      (and 0.941-1.012x at Qwen3-30B-A3B, bench/RESULTS.md, thirteenth session). With
-      experts offloaded the two read host memory at the same rate where SGLang has a
-      tuned table (747.8 vs 753.6 ms a Qwen3 step), but SGLang's default config above
-      E tokens (BLOCK_K 32) reads each weight row in 64 B pieces: on an H100 with
-      neither table for Qwen1.5-MoE (E = 60) elastic's decode step read its offloaded
-      experts at 35 GB/s at graph batch 56 and at 19 GB/s from batch 57 (the graph of
-      64) on (bench/RESULTS.md, thirty-first session). The default table reads 128-256 B
+    * elastic: ``fast`` with the kernel's tuned table for the shape on this GPU
+      (``tuned_table``). Elastic's residency moves, so it always runs the paged
+      kernel; at SGLang's launch configs that kernel took 1.052x plain SGLang's decode
+      step at Qwen1.5-MoE batch 8, with its own tables 0.987x (and 0.941-1.012x at
+      Qwen3-30B-A3B, bench/RESULTS.md, thirteenth session). With experts offloaded the
+      two read host memory at the same rate where SGLang's configs are tuned (747.8 vs
+      753.6 ms a Qwen3 step).
+    * elastic without a tuned table of the kernel: ``exact`` where SGLang has one
+      (``sglang_tuned``: tuned tiles either way, and outputs equal mode off's), else
+      ``fast`` on the kernel's default table. SGLang's default config above E tokens
+      (BLOCK_K 32) reads each weight row in 64 B pieces: on an H100 with neither table
+      for Qwen1.5-MoE (E = 60) elastic's decode step read its offloaded experts at
+      35 GB/s at graph batch 56 and at 19 GB/s from batch 57 (the graph of 64) on
+      (bench/RESULTS.md, thirty-first session). The default table reads 128-256 B
       pieces (BLOCK_K 64-128).
     * ``exact`` otherwise: under ``--enable-deterministic-inference`` (elastic's
       outputs equal mode off's there, which needs SGLang's arithmetic), for layers
@@ -342,10 +346,12 @@ def choose_moe_kernel(choice: str, mode: str, *, deterministic: bool, tuned_tabl
         return "exact", "--enable-deterministic-inference: SGLang's arithmetic, outputs equal --rimuru-mode off"
     if routed_scaling_factor not in (None, 1.0):
         return "exact", f"routed_scaling_factor {routed_scaling_factor}, which the fast top-k sum does not apply"
+    if tuned_table is None and sglang_tuned:
+        return "exact", "no tuned table of the fast kernel for this shape on this GPU; SGLang has one"
     table = tuned_table or "the default table"
     if not table_fits:
         return "exact", f"the fast kernel's table ({table}) has tiles larger than this GPU's shared memory"
     if tuned_table is None:
-        return "fast", ("no tuned table for this shape on this GPU: the kernel's default table (BLOCK_K >= 64, "
-                        "where SGLang's default config reads host pages in 64 B rows)")
+        return "fast", ("no tuned table for this shape on this GPU, here or in SGLang: the kernel's default "
+                        "table (BLOCK_K >= 64, where SGLang's default config reads host pages in 64 B rows)")
     return "fast", f"elastic mode with a tuned table ({tuned_table})"

@@ -54,8 +54,8 @@ def test_auto_kernel_elastic_without_a_tuned_table_is_fast_on_the_default_table(
     """SGLang's default config, which exact would take, reads host pages in 64 B rows above E tokens."""
     kernel, why = choose_moe_kernel("auto", "elastic", deterministic=False, tuned_table=None,
                                     routed_scaling_factor=None)
-    assert kernel == "fast" and why.startswith("no tuned table for this shape on this GPU: the kernel's default "
-                                               "table (BLOCK_K >= 64")
+    assert kernel == "fast" and why.startswith("no tuned table for this shape on this GPU, here or in SGLang: the "
+                                               "kernel's default table (BLOCK_K >= 64")
 
 
 @pytest.mark.parametrize(("deterministic", "table", "scale", "fits", "why"), [
@@ -70,6 +70,15 @@ def test_auto_kernel_elastic_without_a_tuned_table_is_fast_on_the_default_table(
 def test_auto_kernel_elastic_falls_back_to_exact(deterministic, table, scale, fits, why):
     assert choose_moe_kernel("auto", "elastic", deterministic=deterministic, tuned_table=table,
                              routed_scaling_factor=scale, table_fits=fits) == ("exact", why)
+
+
+def test_auto_kernel_elastic_takes_sglangs_tuned_table_over_the_kernels_default():
+    assert choose_moe_kernel("auto", "elastic", deterministic=False, tuned_table=None, routed_scaling_factor=None,
+                             sglang_tuned=True) == (
+        "exact", "no tuned table of the fast kernel for this shape on this GPU; SGLang has one")
+    # the kernel's own tuned table wins over SGLang's
+    assert choose_moe_kernel("auto", "elastic", deterministic=False, tuned_table=Q15_TABLE,
+                             routed_scaling_factor=None, sglang_tuned=True)[0] == "fast"
 
 
 @pytest.mark.parametrize("kernel", ["exact", "fast"])

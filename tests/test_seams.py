@@ -229,6 +229,34 @@ def test_kernel_hook_targets_exist_in_the_pinned_sglang_source():
     assert set(TARGETS) <= bound, sorted(set(TARGETS) - bound)
 
 
+def test_sglangs_own_lookup_says_where_it_has_a_tuned_table():
+    """sglang_has_tuned_table asks SGLang's get_moe_configs as try_get_optimal_moe_config
+    does: SGLang 0.5.17 ships an H100 table for Qwen3-30B-A3B (E=128, N=768; an older Triton's
+    folder) and none for Qwen1.5-MoE-A2.7B (E=60, N=1408) on either GPU. In a child (the
+    lookup reads SGLang's published config; the device name is set as a GPU would give it)."""
+    code = textwrap.dedent(
+        """
+        import torch
+        from rimuru_patches.bootstrap import bootstrap_process
+        from rimuru_patches.context import ProcessContext
+        bootstrap_process(ProcessContext(device="cpu", tp_size=1))
+        from sglang.srt.runtime_context import publish
+        from sglang.srt.server_args import ServerArgs
+        from sglang_rimuru.models import ensure_model
+        from rimuru_patches.unified_pool import sglang_moe
+        import importlib
+        publish(ServerArgs(model_path=str(ensure_model("tiny-qwen3-moe")), device="cpu"), role="test")
+        module = importlib.import_module(sglang_moe.CONFIG_MODULE)
+        for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+            module.get_device_name = lambda gpu=gpu: gpu
+            print(gpu, [sglang_moe.sglang_has_tuned_table(e, n, torch.bfloat16) for e, n in ((128, 768), (60, 1408))])
+        """
+    )
+    out = warm_run(["-c", code])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-2:] == ["NVIDIA H100 80GB HBM3 [True, False]", "NVIDIA H200 [True, False]"]
+
+
 def test_kernel_hook_target_missing_names_itself(monkeypatch):
     from rimuru_patches.unified_pool import sglang_moe
 
@@ -326,10 +354,10 @@ H200_SHARED_BYTES, ADA_SHARED_BYTES = 232_448, 101_376
 
 
 def test_moe_kernel_auto_in_elastic_mode(monkeypatch):
-    """auto: elastic runs the fast kernel with its tuned table (Qwen1.5-MoE on the H200), or
-    with its default table for a shape without one where that fits the GPU's shared memory
-    (exact where it does not: an Ada card's 99 KiB), and exact under SGLang's deterministic
-    inference."""
+    """auto: elastic runs the fast kernel with its tuned table (Qwen1.5-MoE on the H200); for
+    a shape without one, exact where SGLang has a tuned table, else the fast kernel on its
+    default table where that fits the GPU's shared memory (exact where it does not: an Ada
+    card's 99 KiB); exact under SGLang's deterministic inference."""
     from types import SimpleNamespace
 
     import torch
@@ -342,8 +370,9 @@ def test_moe_kernel_auto_in_elastic_mode(monkeypatch):
 
     monkeypatch.delenv("RIMURU_KERNELS_CONFIG_DIR", raising=False)
     monkeypatch.setattr(moe_config, "device_name", lambda device: "NVIDIA_H200")
-    shared = [H200_SHARED_BYTES]
+    shared, sglang_tuned = [H200_SHARED_BYTES], [False]
     monkeypatch.setattr(moe_config, "device_shared_bytes", lambda device: shared[0])
+    monkeypatch.setattr(sglang_moe, "sglang_has_tuned_table", lambda e, n, dtype: sglang_tuned[0])
     fakes = {"try_get_optimal_moe_config": None, "get_config_dtype_str": lambda dtype: None, "silu_and_mul": object(),
              "_use_moe_sum_reduce_torch_compile": None, "moe_sum_reduce_torch_compile": None, "moe_sum_reduce": None}
     monkeypatch.setattr(sglang_moe, "resolve_targets", lambda: fakes)
@@ -358,8 +387,13 @@ def test_moe_kernel_auto_in_elastic_mode(monkeypatch):
     tp2 = MoEShape(num_experts=60, hidden=2048, inter=704, top_k=4, layer_ids=(0, 1), dtype=torch.bfloat16)
     hooks, words = RimuruRuntime.kernel_hooks(elastic, _moe_layers(None), tp2, args, torch.device("cuda"))
     assert hooks == KernelHooks() and words.startswith(
-        "auto -> no tuned table for this shape on this GPU: the kernel's default table (BLOCK_K >= 64, ")
+        "auto -> no tuned table for this shape on this GPU, here or in SGLang: the kernel's default table (")
     assert words.endswith(": fast (configs default.json; SiLU*up fused, Triton top-k sum)")
+    sglang_tuned[0] = True  # SGLang's own table for the shape (Qwen3-30B-A3B on an H100): its tuned tiles
+    hooks, words = RimuruRuntime.kernel_hooks(elastic, _moe_layers(None), tp2, args, torch.device("cuda"))
+    assert hooks != KernelHooks() and words.startswith(
+        "auto -> no tuned table of the fast kernel for this shape on this GPU; SGLang has one: exact (")
+    sglang_tuned[0] = False
     shared[0] = ADA_SHARED_BYTES  # default.json's BM 16 x BN 128 x BK 128 tiles, two stages, fused: 136 KiB
     hooks, words = RimuruRuntime.kernel_hooks(elastic, _moe_layers(None), tp2, args, torch.device("cuda"))
     assert hooks != KernelHooks() and words.startswith(

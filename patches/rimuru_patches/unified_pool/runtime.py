@@ -420,7 +420,7 @@ class RimuruRuntime:
             raise RuntimeError(f"--rimuru-mode: MoE layers use different routed_scaling_factor values {scales}")
         scale = scales.pop()
         tables = tuned = None
-        fits = True
+        fits, sglang_tuned = True, False
         if config.moe_kernel != "exact":  # the fast kernel's tables for this shape on this GPU
             name = moe_config.device_name(device)
             up, down = moe_config.config_files(shape.num_experts, shape.inter, name)
@@ -430,10 +430,14 @@ class RimuruRuntime:
             down_table = moe_config.load_down_configs(shape.num_experts, shape.inter, name)
             fits = (moe_config.table_fits(moe_config.load_configs(shape.num_experts, shape.inter, name), limit)
                     and (down_table is None or moe_config.table_fits(down_table, limit, fused=False)))
+            if tuned is None and config.moe_kernel == "auto" and config.mode == "elastic":
+                from rimuru_patches.unified_pool.sglang_moe import sglang_has_tuned_table
+
+                sglang_tuned = sglang_has_tuned_table(shape.num_experts, shape.inter, shape.dtype)
         kernel, why = choose_moe_kernel(
             config.moe_kernel, config.mode,
             deterministic=bool(getattr(server_args, "enable_deterministic_inference", False)),
-            tuned_table=tuned, routed_scaling_factor=scale, table_fits=fits)
+            tuned_table=tuned, routed_scaling_factor=scale, table_fits=fits, sglang_tuned=sglang_tuned)
         chosen = "" if config.moe_kernel != "auto" else f"auto -> {why}: "
         if kernel == "fast":
             if scale not in (None, 1.0):

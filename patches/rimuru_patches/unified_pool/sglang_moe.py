@@ -126,3 +126,24 @@ def sglang_kernel_hooks(
             sum_reduce(intermediate, out, scale)
 
     return KernelHooks(configs=configs, act_and_mul=fn["silu_and_mul"], combine=combine)
+
+
+#: where ``try_get_optimal_moe_config`` looks SGLang's tuned tables up
+CONFIG_MODULE = "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config"
+
+
+def sglang_has_tuned_table(num_experts: int, inter: int, dtype: torch.dtype) -> bool:
+    """Whether SGLang's own lookup (``get_moe_configs``, as ``try_get_optimal_moe_config``
+    calls it: E, N = the per-shard intermediate size) finds a tuned table for this shape on
+    this GPU, for this Triton version or an older one. Where it does, the exact kernel runs
+    tuned tiles (Qwen3-30B-A3B on an H100: SGLang's H100 table, in-place reads at 50-52 GB/s,
+    bench/RESULTS.md); where it does not, SGLang's default config (``config.choose_moe_kernel``)."""
+    try:
+        module = importlib.import_module(CONFIG_MODULE)
+    except ImportError as exc:
+        raise SeamTargetMissing(f"seam {NAME!r}: cannot import {CONFIG_MODULE} ({exc})") from exc
+    missing = [name for name in ("get_moe_configs", "get_config_dtype_str") if not hasattr(module, name)]
+    if missing:
+        raise SeamTargetMissing(f"seam {NAME!r}: {CONFIG_MODULE} has no {missing} (SGLang 0.5.17 defines them; "
+                                "--rimuru-moe-kernel auto asks them whether SGLang has a tuned table)")
+    return module.get_moe_configs(num_experts, inter, module.get_config_dtype_str(dtype)) is not None
