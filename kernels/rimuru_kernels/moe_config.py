@@ -113,7 +113,8 @@ def device_shared_bytes(device: torch.device) -> int:
     """The most shared memory one block may use on ``device`` (Triton's opt-in limit)."""
     import triton
 
-    return int(triton.runtime.driver.active.utils.get_device_properties(device.index or 0)["max_shared_mem"])
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
 def get_paged_moe_config(
