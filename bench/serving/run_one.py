@@ -61,6 +61,7 @@ from code_digest import tree_digest  # noqa: E402
 from decode_log import log_stats, read_lines  # noqa: E402
 from per_rank import SMI_APPS, SMI_GPUS, parse_smi, wants_trace  # noqa: E402
 from phases import aggregate, parse_phases, phase_datasets, phase_summary  # noqa: E402
+from warmup_reads import lone_warmup  # noqa: E402
 from window import line_tokens, timeline  # noqa: E402
 
 #: what the lent H200 needs (no flashinfer there; bench/device/setup_device.sh)
@@ -492,6 +493,9 @@ def main() -> None:
         "traffic_began_wall": round(began[0], 1) if began else None,
         "pass_tokens": pass_tokens(step_lines, began[0] if began else t0),
         "pass_memory": pass_memory(step_lines),
+        # the batch-1 steps before the traffic: the same work in every run of one model and
+        # card, so their time is the machine's (warmup_reads.py: two H100s differed 1.54x)
+        "warmup": lone_warmup(step_lines, began[0]) if began and step_lines else None,
         # output tokens as the traffic goes on, for comparing two stopped runs over the same
         # first seconds (window.py): the pass record's where the server wrote one, else SGLang's log
         "timeline": timeline(step_lines, log, began[0]) if began else None,
@@ -508,6 +512,7 @@ def main() -> None:
           f"peak GPU {res['peak_gpu_mib']} MiB (process {res['peak_process_mib']}, card {res['card_mib']:.0f}); "
           f"host RSS {res['peak_host_rss_mib']} MiB; "
           f"ready {res['ready_s']} s; tracebacks {res['tracebacks']}"
+          + (f"; warm-up step {wu['median_ms']} ms ({wu['reads']} expected reads)" if (wu := res["warmup"]) else "")
           + (f"; trace: {res['trace']['evicted']} out / {res['trace']['restored']} in, min resident "
              f"{res['trace']['min_resident']}" if res["trace"] else "")
           + (f" ; STOPPED AT BUDGET (SGLang's decode log: mean {res['log']['gen_tok_s_mean']} tok/s over "

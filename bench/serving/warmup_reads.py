@@ -46,6 +46,16 @@ def warmup_steps(records: list[dict], began: float) -> list[list[float]]:
     return [s for r in records if r["t"] <= began for s in r.get("steps", [])]
 
 
+def lone_warmup(records: list[dict], began: float) -> dict | None:
+    """The batch-1 steps before the traffic: how many, expected reads a step and median ms
+    (run_one.py stores this in each run's JSON as ``warmup``); None without any."""
+    lone = [s for s in warmup_steps(records, began) if s[0] == 1]
+    if not lone:
+        return None
+    return {"steps": len(lone), "reads": round(statistics.median(s[2] for s in lone), 1),
+            "median_ms": round(statistics.median(s[1] for s in lone), 2)}
+
+
 def kernel_of(log: str) -> str | None:
     m = KERNEL.search(log)
     return m.group(1) if m else None
@@ -58,16 +68,13 @@ def warmup_rate(run: dict, base: Path) -> dict | None:
         return None
     records = read_lines(steps_path)
     began = began_of(run, base, records)
-    steps = warmup_steps(records, began) if began is not None else []
-    lone = [s for s in steps if s[0] == 1]
-    if not lone:
+    w = lone_warmup(records, began) if began is not None else None
+    if w is None:
         return None
-    ms = statistics.median(s[1] for s in lone)
-    reads = statistics.median(s[2] for s in lone)
     log_path = base.with_name(base.name + ".log.gz")
+    reads, ms = w["reads"], w["median_ms"]
     return {"run": run["name"], "gpu": run.get("gpu"), "code_digest": run.get("code_digest"),
-            "kernel": kernel_of(read_log(log_path)) if log_path.exists() else None,
-            "steps": len(lone), "reads": round(reads, 1), "median_ms": round(ms, 2),
+            "kernel": kernel_of(read_log(log_path)) if log_path.exists() else None, **w,
             "GBps": round(reads * shape_of(run).expert_bytes / (ms * 1e6), 1) if reads >= MIN_READS else None}
 
 

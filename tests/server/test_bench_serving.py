@@ -1232,6 +1232,7 @@ def test_the_warmup_steps_before_the_traffic_give_each_machines_read_rate(tmp_pa
     w = wr.warmup_rate(run, base)
     assert (w["steps"], w["reads"], w["median_ms"], w["kernel"]) == (3, 200.0, 42.0, "exact")
     assert w["GBps"] == round(200 * mib9 / 42e6, 1)
+    assert wr.lone_warmup(records, 1000.0) == {"steps": 3, "reads": 200.0, "median_ms": 42.0}  # run_one's "warmup"
     records[0]["steps"] = [[1, 4.0, 0.2]] * 3  # a ranking kept every expert it reads
     records[1]["steps"] = []
     with gzip.open(f"{base}_trace.steps.jsonl.gz", "wt") as f:
