@@ -16,7 +16,8 @@ Per run: the steps counted, their batch (1), expected reads a step, median ms, a
 (reads x the model's expert bytes over the median: a floor of the link's rate, the step's
 own compute counted in; none where a step reads fewer than ``MIN_READS`` experts, as under
 a ranking that keeps the hot ones, and the step is mostly compute); with ``--vs``, each
-run's median over that run's. Also the MoE kernel the server's start line names (``auto -> ...: exact`` where
+run's median over that run's where the two warm-ups read the same experts within 5 % (the
+same work), else "other work". Also the MoE kernel the server's start line names (``auto -> ...: exact`` where
 the GPU has no tuned table of the fast kernel): the kernel sets the rate as much as the link.
 No GPU, no SGLang.
 """
@@ -99,7 +100,9 @@ def main() -> None:
         if w is None:
             print(f"| {Path(name).name} | {Path(name).parent.name} | no step record or warm-up | | | | | |")
             continue
-        vs = f" {w['median_ms'] / ref['median_ms']:.2f}x |" if ref else ""
+        # a ratio only between runs whose warm-up did the same work (the same expected reads)
+        same = ref and abs(w["reads"] - ref["reads"]) <= 0.05 * max(ref["reads"], 1)
+        vs = (f" {w['median_ms'] / ref['median_ms']:.2f}x |" if same else " other work |") if ref else ""
         print(f"| {w['run']} | {Path(name).parent.name} | {w['code_digest']} | {w['kernel']} | {w['steps']} | "
               f"{w['reads']} | {w['median_ms']} | {'' if w['GBps'] is None else w['GBps']} |{vs}")
 
