@@ -444,12 +444,11 @@ class Adjuster:
             after = self._kv_batch(load, cap + len(victims) * kv_per_expert, kv_per_request)
             head = load.admits if load.running == 0 else 0
             admits = max(load.running + head, after) - batch
-        # priced once (restored_throughput is the dear part), then judged as eviction_pays does
-        priced = batch > 0 and admits > 0
+        # priced once (restored_throughput is the dear part), judged below at two margins
         ref, after = (cost.eviction_price(batch, admits, offloaded, new, kv_per_request, kv_per_expert)
-                      if priced else (cost.throughput(batch, offloaded), None))
+                      if batch > 0 and admits > 0 else (cost.throughput(batch, offloaded), None))
         self._last_price = EvictionPrice(batch, admits, len(new), ref, after, kv_per_request, None)
-        if admits > 0 and (batch <= 0 or cost.beats(ref, after)):
+        if cost.price_pays(batch, admits, ref, after):
             return True  # nothing runs (any request admitted is pure gain), or it pays
         if cap is None:
             return False
@@ -459,7 +458,7 @@ class Adjuster:
         # than the margin (at a large batch one request is a small share of a step:
         # cost.py's last paragraph).
         crossing = cost.eager([*offloaded, *new]) and not cost.eager(offloaded)
-        if not crossing and not (priced and cost.beats(ref, after, margin=0.0)):
+        if not crossing and not cost.price_pays(batch, admits, ref, after, margin=0.0):
             return False
         larger = self._leaving_pays(load, cap, batch, kv_per_request, kv_per_expert, len(victims),
                                     frozenset(self._out_keys()))

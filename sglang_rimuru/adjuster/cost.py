@@ -215,12 +215,21 @@ class CostModel:
         """Whether offloading ``victims`` to run ``admit`` more requests beats not doing it,
         and (given the KV sizes) beats bringing offloaded experts back instead, by
         ``margin`` (default: the model's; 0 asks only whether it gains at all)."""
+        ref, after = (self.eviction_price(batch, admit, offloaded, victims, kv_per_request, kv_per_expert)
+                      if batch > 0 and admit > 0 else (0.0, 0.0))
+        return self.price_pays(batch, admit, ref, after, margin)
+
+    def price_pays(self, batch: int, admit: int, reference: float, after: float | None,
+                   margin: float | None = None) -> bool:
+        """``eviction_pays``'s verdict on a price already taken (``eviction_price``'s pair,
+        which it reads only where ``batch`` and ``admit`` are both positive): no admitted
+        request never pays, any while nothing runs always does, else ``after`` must beat
+        ``reference`` by ``margin``."""
         if admit <= 0:
             return False
         if batch <= 0:
             return True  # nothing runs: any request admitted is pure gain
-        return self.beats(*self.eviction_price(batch, admit, offloaded, victims, kv_per_request, kv_per_expert),
-                          margin=margin)
+        return self.beats(reference, after, margin)
 
     def beats(self, reference: float, after: float, margin: float | None = None) -> bool:
         """Whether ``after`` beats ``reference`` by ``margin`` (default: the model's)."""
