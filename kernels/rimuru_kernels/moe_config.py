@@ -109,6 +109,14 @@ def table_fits(table: dict[int, dict], shared_bytes: int, fused: bool = True) ->
     return all(pipeline_shared_bytes(c, fused) <= shared_bytes for c in table.values())
 
 
+def tables_fit(num_experts: int, inter_size: int, device_name: str, shared_bytes: int) -> bool:
+    """Whether the tables the fast kernel reads for this shape and device (``load_configs``
+    fused gate/up, ``load_down_configs`` where there is one) fit ``shared_bytes``."""
+    down = load_down_configs(num_experts, inter_size, device_name)
+    return (table_fits(load_configs(num_experts, inter_size, device_name), shared_bytes)
+            and (down is None or table_fits(down, shared_bytes, fused=False)))
+
+
 def device_shared_bytes(device: torch.device) -> int:
     """The most shared memory one block may use on ``device`` (Triton's opt-in limit)."""
     import triton

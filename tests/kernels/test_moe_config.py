@@ -154,3 +154,6 @@ def test_the_shared_memory_estimate_bounds_what_triton_asked_for_on_the_h200():
     for E, N in ((60, 1408), (128, 768)):
         assert moe_config.table_fits(moe_config.load_configs(E, N, "NVIDIA_H200"), 232_448)
         assert moe_config.table_fits(moe_config.load_down_configs(E, N, "NVIDIA_H200"), 232_448, fused=False)
+        assert moe_config.tables_fit(E, N, "NVIDIA_H200", 232_448)
+    # Qwen3-30B-A3B at TP=2: its 4096-token tile (BM 128, BN 256, BK 64, 4 stages) is one Triton refused
+    assert not moe_config.tables_fit(128, 384, "NVIDIA_H200", 232_448)

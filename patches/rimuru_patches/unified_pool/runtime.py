@@ -426,14 +426,13 @@ class RimuruRuntime:
             up, down = moe_config.config_files(shape.num_experts, shape.inter, name)
             tables = up.name + (f" + {down.name}" if down else "")
             tuned = None if up.name == moe_config.DEFAULT_CONFIG_FILE else tables
-            limit = moe_config.device_shared_bytes(device)
-            down_table = moe_config.load_down_configs(shape.num_experts, shape.inter, name)
-            fits = (moe_config.table_fits(moe_config.load_configs(shape.num_experts, shape.inter, name), limit)
-                    and (down_table is None or moe_config.table_fits(down_table, limit, fused=False)))
-            if tuned is None and config.moe_kernel == "auto" and config.mode == "elastic":
-                from rimuru_patches.unified_pool.sglang_moe import sglang_has_tuned_table
+            if config.moe_kernel == "auto" and config.mode == "elastic":  # what auto weighs there
+                fits = moe_config.tables_fit(shape.num_experts, shape.inter, name,
+                                             moe_config.device_shared_bytes(device))
+                if tuned is None:
+                    from rimuru_patches.unified_pool.sglang_moe import sglang_has_tuned_table
 
-                sglang_tuned = sglang_has_tuned_table(shape.num_experts, shape.inter, shape.dtype)
+                    sglang_tuned = sglang_has_tuned_table(shape.num_experts, shape.inter, shape.dtype)
         kernel, why = choose_moe_kernel(
             config.moe_kernel, config.mode,
             deterministic=bool(getattr(server_args, "enable_deterministic_inference", False)),
