@@ -264,9 +264,10 @@ def plots(results: list[dict], out: Path, step_ms: float | None = None, lens: Pa
         ax3.step(t, waiting, where="post", color="tab:red", label="waiting requests")
         ax3.set_ylabel("waiting requests")
         ax3.set_xlabel("s since the first change (the adjuster trace: one point per change)")
-        ax.set_title(f"{r['name']}: the pool's split and the queue")
+        ax.set_title(f"{r['name']} ({r.get('code_digest') or '?'}): the pool's split and the queue")
         fig.tight_layout()
-        path = out / f"{r['name']}_split.png"
+        # named as bench/results/plots keeps them: one setting at two server codes is two plots
+        path = out / f"{r['name']}_split_{r.get('code_digest') or 'nocode'}.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)
         made.append(path)
@@ -324,10 +325,13 @@ def token_plots(results: list[dict], out: Path, plt) -> list[Path]:
         if len(rs) < 2 or rate is None:  # phased traffic has no one rate to name it by
             continue
         fig, ax = plt.subplots(figsize=(8, 4))
-        for r in sorted(rs, key=lambda r: r["name"]):
+        names = [r["name"] for r in rs]
+        for r in sorted(rs, key=lambda r: (r["name"], r.get("code_digest") or "")):
             pts = [[0.0, 0]] + r["timeline"]["points"]
+            # one run's name twice (the same setting at two server codes): the code tells them apart
+            code = f", {r.get('code_digest') or '?'}" if names.count(r["name"]) > 1 else ""
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".",
-                    label=f"{r['name']} ({r['timeline']['source']})")
+                    label=f"{r['name']} ({r['timeline']['source']}{code})")
         ax.set_xlabel("s since the traffic's first request")
         ax.set_ylabel("output tokens")
         ax.set_title(f"output tokens as the traffic goes on: {describe(traffic, routing=False)}", fontsize=9)

@@ -1175,14 +1175,14 @@ def test_priced_out_rounds_of_a_stored_run_asked_again_of_todays_adjuster():
 
 def test_report_plots_the_pool_split_and_the_rate_sweep_of_stored_runs(tmp_path):
     """report.py --plots on stored H200 runs (skewed, 32 GB, plain against elastic at 1, 5 and
-    10 req/s): one split plot for the run with an adjuster trace that moved experts, and the
-    rate sweep with the traffic's ceiling; each a PNG."""
+    10 req/s): one split plot (named with its server code) for the run with an adjuster trace
+    that moved experts, and the rate sweep with the traffic's ceiling; each a PNG."""
     report = _serving_module("report")
     r = ROOT / "bench/results/device_h200_2026-12-05"
     runs = report.load([str(r / f"{n}.json") for n in ("elastic32-skew", "elastic32-skew_r1", "off32-skew",
                                                         "off32-skew_r1", "off32-skew_r5")])
     made = report.plots(runs, tmp_path, step_ms=3.75)
-    assert [p.name for p in made] == ["elastic32-skew_split.png", "rate_sweep.png"]
+    assert [p.name for p in made] == ["elastic32-skew_split_4c0917dbaac6.png", "rate_sweep.png"]
     for p in made:
         data = p.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
