@@ -58,3 +58,42 @@ def test_no_wheel_is_a_clear_error(tmp_path, monkeypatch):
         assert "no sglang wheel in" in str(exc) and "make-sglang-carry.sh" in str(exc)
     else:
         raise AssertionError("no error without a wheel")
+
+
+def test_the_sgl_kernel_archive_becomes_xz_with_the_same_members(tmp_path, capsys, monkeypatch):
+    """The .tgz make-sglang-carry.sh writes is rewritten as .tar.xz: every member's name, type,
+    mode and bytes kept, the .tgz gone; a second run finds no .tgz and saves nothing. The
+    Python one-liner setup_device.sh unpacks it with gives back the same files."""
+    import io
+    import subprocess
+    import tarfile
+
+    carry = tmp_path / ".carry"
+    (carry / "wheels").mkdir(parents=True)
+    _wheel(carry / "wheels" / "sglang-0.5.17-cp312-cp312-manylinux_2_34_x86_64.whl")
+    files = {"./sgl_kernel/__init__.py": b"from .ops import *\n",
+             "./sgl_kernel/common_ops.abi3.so": bytes(range(256)) * 4096,
+             "./sglang_kernel-0.4.5.dist-info/RECORD": b"sgl_kernel/__init__.py,,\n"}
+    with tarfile.open(carry / "sgl_kernel_sm90.tgz", "w:gz") as t:
+        for d in ("./", "./sgl_kernel/", "./sglang_kernel-0.4.5.dist-info/"):
+            info = tarfile.TarInfo(d.rstrip("/") or ".")
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            t.addfile(info)
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            t.addfile(info, io.BytesIO(data))
+    monkeypatch.setattr(sys, "argv", ["trim_carry.py", str(carry)])
+    trim_carry.main()
+    assert "sgl_kernel_sm90.tgz -> sgl_kernel_sm90.tar.xz" in capsys.readouterr().out
+    assert not (carry / "sgl_kernel_sm90.tgz").exists()
+    with tarfile.open(carry / "sgl_kernel_sm90.tar.xz", "r:xz") as t:
+        assert {m.name: t.extractfile(m).read() for m in t if m.isfile()} == files
+    assert trim_carry.recompress_sgl_kernel(carry) == 0
+    setup = (Path(trim_carry.__file__).parent / "setup_device.sh").read_text()
+    one_liner = next(line for line in setup.splitlines() if "tarfile.open" in line).strip()
+    code = one_liner.split("'")[1]
+    out = tmp_path / "site"
+    subprocess.run([sys.executable, "-c", code, str(carry / "sgl_kernel_sm90.tar.xz"), str(out)], check=True)
+    assert {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()} == {
+        k[2:]: v for k, v in files.items()}

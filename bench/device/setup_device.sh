@@ -5,7 +5,15 @@
 set -e
 if [ ! -d /tmp/site/sglang ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .carry/wheels/*.whl
-    tar xzf .carry/sgl_kernel_sm90.tgz -C /tmp/site
+    # sgl-kernel: the .tar.xz trim_carry.py writes (unpacked by Python: lzma is in its
+    # standard library, the xz tool may not be on the image), or make-sglang-carry.sh's .tgz
+    if [ -f .carry/sgl_kernel_sm90.tar.xz ]; then
+        python3 -c 'import sys, tarfile; t = tarfile.open(sys.argv[1], "r:xz"); t.extractall(sys.argv[2], **({"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}))' \
+            .carry/sgl_kernel_sm90.tar.xz /tmp/site || tar xJf .carry/sgl_kernel_sm90.tar.xz -C /tmp/site
+    else
+        tar xzf .carry/sgl_kernel_sm90.tgz -C /tmp/site
+    fi
+    [ -d /tmp/site/sgl_kernel ] || { echo "setup_device.sh: no sgl_kernel in /tmp/site after unpacking .carry (rebuild it: ../shared/device/make-sglang-carry.sh, bench/device/trim_carry.py)" >&2; return 1 2>/dev/null || exit 1; }
 fi
 export PYTHONPATH="$PWD/bench/device/site:/tmp/site:$PWD:$PWD/kernels:$PWD/patches:${PYTHONPATH:-}"
 export PYTHONUNBUFFERED=1
