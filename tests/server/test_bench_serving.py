@@ -545,11 +545,27 @@ def test_the_tail_bounds_a_stopped_runs_whole_traffic_from_its_step_record(tmp_p
         tail.tail(run, records, log, lens)
 
 
-def test_the_tail_backtested_on_a_run_that_served_its_whole_traffic():
+@pytest.fixture
+def device_clock():
+    """The device's log stamps (UTC) read as this machine's local time: TZ pinned to UTC for
+    the test, and restored after it."""
+    before = os.environ.get("TZ")
+    os.environ["TZ"] = "UTC"
+    time.tzset()
+    yield
+    if before is None:
+        del os.environ["TZ"]
+    else:
+        os.environ["TZ"] = before
+    time.tzset()
+
+
+def test_the_tail_backtested_on_a_run_that_served_its_whole_traffic(device_clock):
     """tail.py --cut on the thirty-second session's 24 GB uniform H200 run (all 150 served,
     201.1 tok/s over 167.8 s): cut at 60, 80 and 128 s, the bound and the estimate each stay
     below what the run measured, as both are built to err, and the estimate nears it as the
-    cut moves later (0.74x, 0.79x, 0.94x). The log keeps only lines stamped by the cut."""
+    cut moves later (0.74x, 0.79x, 0.94x). The log keeps only lines stamped by the cut (the
+    device's clock, UTC, read as this machine's local time: ``device_clock``)."""
     tail = _serving_module("tail")
     window = _serving_module("window")
     decode_log = _serving_module("decode_log")
