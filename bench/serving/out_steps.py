@@ -11,6 +11,12 @@ on expected reads plus the layers with any expert out (a fixed cost of leaving S
 path). It also tabulates the steps by how long after a migration round their record was
 written: a round's page copies share PCIe and the GPU with the steps after it.
 
+Where the run's JSON lies beside its trace, it also sets every decode step against the step
+the adjuster last priced (its trace's ``cost_ms``: base + per request x B + expert x expected
+reads), by batch: the whole price the policy weighs, on every run, a card that never holds
+every expert (24 GB: no resident line above) included (bench/RESULTS.md, thirty-second
+session: Qwen3 0.99-1.02x; 24 GB Qwen1.5 1.18x at batch 20-39 down to 0.88x at 100-119).
+
 Limits, said in the output too: the step record is flushed every second or so with no time a
 step, so each step gets the out set at its record's flush; a round inside a record's span is
 placed after steps it may have preceded. No GPU, no SGLang; numpy.
@@ -95,6 +101,26 @@ def analyse(trace: list[dict], records: list[dict], min_resident: int = 5) -> di
     return result
 
 
+def price_by_batch(cost: dict, records: list[dict], width: int = 20) -> list[dict]:
+    """Each decode step of the record against ``cost``'s price of it (``base + per_request x B
+    + expert x R``, R its expected reads), in batch bins ``width`` wide: steps, mean measured
+    and priced ms, their ratio (priced over measured), mean expected reads."""
+    bins: dict[int, list[tuple[float, float, float]]] = {}
+    for rec in records:
+        for b, ms, r in rec.get("steps", []):
+            priced = cost["base"] + cost["per_request"] * b + cost["expert"] * r
+            bins.setdefault(b // width * width, []).append((ms, priced, r))
+    rows = []
+    for lo in sorted(bins):
+        v = bins[lo]
+        measured = sum(x[0] for x in v) / len(v)
+        priced = sum(x[1] for x in v) / len(v)
+        rows.append({"batch": [lo, lo + width - 1], "steps": len(v), "measured_ms": round(measured, 1),
+                     "priced_ms": round(priced, 1), "priced_over_measured": round(priced / measured, 2),
+                     "reads": round(sum(x[2] for x in v) / len(v), 1)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", help="RUN_DIR/NAME: NAME_trace.jsonl(.gz) and NAME_trace.steps.jsonl(.gz) beside it")
@@ -107,11 +133,18 @@ def main() -> None:
                 return p
         raise SystemExit(f"out_steps: no {args.run}{suffix}(.gz)")
 
-    res = analyse(read_lines(find("_trace.jsonl")), read_lines(find("_trace.steps.jsonl")))
+    records = read_lines(find("_trace.steps.jsonl"))
+    res = analyse(read_lines(find("_trace.jsonl")), records)
+    run_json = Path(args.run + ".json")
+    cost = (json.loads(run_json.read_text()).get("trace") or {}).get("cost_ms") if run_json.exists() else None
+    if cost:
+        res["price_by_batch"] = {"cost_ms": {k: cost[k] for k in ("base", "per_request", "expert")},
+                                 "rows": price_by_batch(cost, records)}
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
-    print(f"{Path(args.run).name}: {res['out_steps']} decode steps with experts out, {res['resident_steps']} resident; "
-          f"{res['rounds_moving_experts']} rounds moved experts")
+    print(f"{Path(args.run).name}: {res['out_steps']} decode steps with experts out at a batch the resident line "
+          f"covers, {res['resident_steps']} resident; {res['rounds_moving_experts']} rounds moved experts"
+          + ("" if res["resident_steps"] else " (no resident step: the card never held every expert)"))
     if "fit_both" in res:
         fb = res["fit_both"]
         print(f"  extra = {fb['us_per_layer_out']} us a layer with experts out + {fb['ms_per_read']} ms an expected read "
@@ -124,6 +157,15 @@ def main() -> None:
         print(f"| {g['after_s'][0]:g}-{g['after_s'][1]:g} | {g['steps']} | {g['extra_ms_median']} | {g['reads_median']} |")
     print("  (each step gets the out set at its record's flush, ~1 s apart: a round inside a record's span may "
           "be placed after steps it preceded)")
+    if "price_by_batch" in res:
+        c = res["price_by_batch"]["cost_ms"]
+        print(f"the adjuster's last price: {c['base']} ms + {c['per_request']} ms a request + {c['expert']:.3f} ms an "
+              "expected read")
+        print("| batch | steps | measured ms | priced ms | priced / measured | expected reads |")
+        print("|---|---|---|---|---|---|")
+        for row in res["price_by_batch"]["rows"]:
+            print(f"| {row['batch'][0]}-{row['batch'][1]} | {row['steps']} | {row['measured_ms']} | {row['priced_ms']} | "
+                  f"{row['priced_over_measured']:.2f}x | {row['reads']} |")
 
 
 if __name__ == "__main__":
