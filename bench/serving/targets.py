@@ -108,6 +108,18 @@ def no_traffic_rate(r: dict) -> bool:
     return not done(r) and not never_served(r) and stopped_rate(r)[0] is None
 
 
+def whole_run_floor(r: dict, lens: Path = LENS):
+    """``makespan.floor`` of a stopped run's traffic at its own lone decode step (see
+    whole_run_ceiling), or None where unknown."""
+    step = (r.get("log") or {}).get("lone_step_ms")
+    if not step or done(r) or r.get("rate") is None or r.get("seed", 1) != LENS_SEED:
+        return None
+    try:
+        return floor(load_outputs(r["num_prompts"], lens), r["rate"], LENS_SEED, step)
+    except (ValueError, OSError):
+        return None
+
+
 def whole_run_ceiling(r: dict, lens: Path = LENS) -> str:
     """What a stopped run's system could serve of its whole traffic at most, from its own
     lone decode step (run_one.py's ``lone_step_ms``: bench_serving's warm-up request decoded
@@ -117,13 +129,10 @@ def whole_run_ceiling(r: dict, lens: Path = LENS) -> str:
     the batch (SGLang's ``--cpu-offload-gb``). bench_serving's throughput is over the whole
     traffic; the decode log's over a window, which this bounds from the other side. "" where
     unknown, else ``serves at most ...`` to follow the run's name."""
-    step = (r.get("log") or {}).get("lone_step_ms")
-    if not step or done(r) or r.get("rate") is None or r.get("seed", 1) != LENS_SEED:
+    f = whole_run_floor(r, lens)
+    if f is None:
         return ""
-    try:
-        f = floor(load_outputs(r["num_prompts"], lens), r["rate"], LENS_SEED, step)
-    except (ValueError, OSError):
-        return ""
+    step = r["log"]["lone_step_ms"]
     return (f"serves at most {f.ceiling_tok_s:.0f} tok/s (its lone step "
             f"{step:.0f} ms: request #{f.binding}'s {f.binding_output} tokens end at {f.makespan_s:.0f} s at the earliest)")
 
@@ -240,8 +249,17 @@ def offload_pair(el: dict, offload: list[dict], traffic: tuple, need: float, len
     the target. Otherwise the best setting by rate, the two rates' ratio as tput_ratio gives it."""
     windows = [(w, r) for r in offload if same_requests(traffic_of(r), traffic) and not done(r)
                and (w := same_window(el, r)) is not None]
-    ceiling = lambda base: (f"; over the whole traffic {base['name']} {c}" if (c := whole_run_ceiling(base, lens))
-                            else "")
+    def ceiling(base: dict) -> str:
+        """The baseline's whole-traffic ceiling, and where ``el`` served its whole traffic
+        (bench_serving's figure) the ratio of the two: at least, as the ceiling is a bound."""
+        c = whole_run_ceiling(base, lens)
+        if not c:
+            return ""
+        f = whole_run_floor(base, lens)
+        whole = (f"; {el['name']} served the whole traffic at {el['bench']['output_throughput']:.0f} tok/s: "
+                 f">= {el['bench']['output_throughput'] / f.ceiling_tok_s:.2f}x that") if done(el) else ""
+        return f"; over the whole traffic {base['name']} {c}{whole}"
+
     runs = lambda base: pair_of(el, base) + (
         "" if traffic_of(base) == traffic else f" (anchor on {describe(traffic_of(base))})")
     if not windows:
