@@ -11,11 +11,10 @@ on expected reads plus the layers with any expert out (a fixed cost of leaving S
 path). It also tabulates the steps by how long after a migration round their record was
 written: a round's page copies share PCIe and the GPU with the steps after it.
 
-Where the run's JSON lies beside its trace, it also sets every decode step against the step
-the adjuster last priced (its trace's ``cost_ms``: base + per request x B + expert x expected
-reads), by batch: the whole price the policy weighs, on every run, a card that never holds
-every expert (24 GB: no resident line above) included (bench/RESULTS.md, thirty-second
-session: Qwen3 0.99-1.02x; 24 GB Qwen1.5 1.18x at batch 20-39 down to 0.88x at 100-119).
+With the run's log beside, it also sets every decode step against the adjuster's price of it
+when it ran (base + per request x B + expert x expected reads: its ``StepClock`` replayed on the
+record from the logged start), by batch: the whole price the policy weighs, on every run, a card
+that never holds every expert (24 GB: no resident line above) included (``price_by_batch``).
 
 Limits, said in the output too: the step record is flushed every second or so with no time a
 step, so each step gets the out set at its record's flush; a round inside a record's span is
@@ -28,11 +27,16 @@ import argparse
 import bisect
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import numpy as np
 
-from decode_log import read_lines
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from card_bound import FIT_LINE  # noqa: E402
+from decode_log import read_lines, read_log  # noqa: E402
+from sglang_rimuru.adjuster.cost import StepClock  # noqa: E402  (plain Python: no torch, no SGLang)
 
 
 def out_states(trace: list[dict]) -> tuple[list[float], list[tuple[int, int]], list[float]]:
@@ -101,15 +105,30 @@ def analyse(trace: list[dict], records: list[dict], min_resident: int = 5) -> di
     return result
 
 
-def price_by_batch(cost: dict, records: list[dict], width: int = 20) -> list[dict]:
-    """Each decode step of the record against ``cost``'s price of it (``base + per_request x B
-    + expert x R``, R its expected reads), in batch bins ``width`` wide: steps, mean measured
-    and priced ms, their ratio (priced over measured), mean expected reads."""
-    bins: dict[int, list[tuple[float, float, float]]] = {}
+def prior_of(log: str) -> tuple[float, float, float] | None:
+    """The step price the server started with: its first "cost-aware adjuster: decode step"
+    line (logged before any step was timed), else None."""
+    m = FIT_LINE.search(log)
+    return tuple(map(float, m.groups())) if m else None
+
+
+def price_by_batch(prior: tuple[float, float, float], records: list[dict], width: int = 20) -> list[dict]:
+    """Each decode step of the record against the price the adjuster held when it ran, in
+    batch bins ``width`` wide: the server's ``StepClock`` replayed from ``prior`` on the same
+    steps (the record holds what the clock was fed), refitted at each record line as the
+    server refits before it writes one, each line's steps priced with the fit before them.
+    (The trace's ``cost_ms`` is written only with an order, so between orders it is stale.)
+    Per bin: steps, mean measured and priced ms, their ratio (priced over measured), mean
+    expected reads, the read price's range."""
+    clock = StepClock(prior=prior)
+    fit = clock.fit()
+    bins: dict[int, list[tuple[float, float, float, float]]] = {}
     for rec in records:
+        base, per, expert = fit
         for b, ms, r in rec.get("steps", []):
-            priced = cost["base"] + cost["per_request"] * b + cost["expert"] * r
-            bins.setdefault(b // width * width, []).append((ms, priced, r))
+            bins.setdefault(b // width * width, []).append((ms, base + per * b + expert * r, r, expert))
+            clock.record(b, ms, r)
+        fit = clock.fit()
     rows = []
     for lo in sorted(bins):
         v = bins[lo]
@@ -117,7 +136,8 @@ def price_by_batch(cost: dict, records: list[dict], width: int = 20) -> list[dic
         priced = sum(x[1] for x in v) / len(v)
         rows.append({"batch": [lo, lo + width - 1], "steps": len(v), "measured_ms": round(measured, 1),
                      "priced_ms": round(priced, 1), "priced_over_measured": round(priced / measured, 2),
-                     "reads": round(sum(x[2] for x in v) / len(v), 1)})
+                     "reads": round(sum(x[2] for x in v) / len(v), 1),
+                     "read_price_ms": [round(min(x[3] for x in v), 3), round(max(x[3] for x in v), 3)]})
     return rows
 
 
@@ -134,12 +154,12 @@ def main() -> None:
         raise SystemExit(f"out_steps: no {args.run}{suffix}(.gz)")
 
     records = read_lines(find("_trace.steps.jsonl"))
-    res = analyse(read_lines(find("_trace.jsonl")), records)
-    run_json = Path(args.run + ".json")
-    cost = (json.loads(run_json.read_text()).get("trace") or {}).get("cost_ms") if run_json.exists() else None
-    if cost:
-        res["price_by_batch"] = {"cost_ms": {k: cost[k] for k in ("base", "per_request", "expert")},
-                                 "rows": price_by_batch(cost, records)}
+    trace = read_lines(find("_trace.jsonl"))
+    res = analyse(trace, records)
+    log_path = next((p for p in (Path(args.run + ".log.gz"), Path(args.run + ".log")) if p.exists()), None)
+    prior = prior_of(read_log(log_path)) if log_path else None
+    if prior:
+        res["price_by_batch"] = {"prior": prior, "rows": price_by_batch(prior, records)}
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"{Path(args.run).name}: {res['out_steps']} decode steps with experts out at a batch the resident line "
@@ -158,14 +178,15 @@ def main() -> None:
     print("  (each step gets the out set at its record's flush, ~1 s apart: a round inside a record's span may "
           "be placed after steps it preceded)")
     if "price_by_batch" in res:
-        c = res["price_by_batch"]["cost_ms"]
-        print(f"the adjuster's last price: {c['base']} ms + {c['per_request']} ms a request + {c['expert']:.3f} ms an "
-              "expected read")
-        print("| batch | steps | measured ms | priced ms | priced / measured | expected reads |")
-        print("|---|---|---|---|---|---|")
+        base, per, expert = res["price_by_batch"]["prior"]
+        print(f"each decode step against the adjuster's price when it ran (its StepClock replayed on the record from "
+              f"the logged start, {base} ms + {per} ms a request + {expert} ms a read):")
+        print("| batch | steps | measured ms | priced ms | priced / measured | expected reads | read price ms |")
+        print("|---|---|---|---|---|---|---|")
         for row in res["price_by_batch"]["rows"]:
+            lo, hi = row["read_price_ms"]
             print(f"| {row['batch'][0]}-{row['batch'][1]} | {row['steps']} | {row['measured_ms']} | {row['priced_ms']} | "
-                  f"{row['priced_over_measured']:.2f}x | {row['reads']} |")
+                  f"{row['priced_over_measured']:.2f}x | {row['reads']} | {lo:g}-{hi:g} |")
 
 
 if __name__ == "__main__":

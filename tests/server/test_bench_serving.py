@@ -509,27 +509,34 @@ def test_out_steps_sets_each_step_with_experts_out_beside_the_resident_line(tmp_
     assert "| 0-0.05 | 2 | 0.75 | 0.15 |" in out.stdout
 
 
-def test_out_steps_sets_every_step_beside_the_adjusters_price_by_batch(tmp_path):
-    """out_steps.py with the run's JSON beside its trace: each decode step against the price
-    of its batch and expected reads (trace.cost_ms), in bins of 20 requests; on the stored 24 GB
-    uniform H200 run, where no step ran with every expert resident, the price reads 1.18x the
-    measured steps at batch 20-39 and 0.88x at 100-119."""
+def test_out_steps_sets_every_step_beside_the_price_the_adjuster_held_then(tmp_path):
+    """out_steps.py with the run's log beside its trace: each decode step against the price the
+    adjuster held when it ran (its StepClock replayed on the record from the logged start,
+    refitted at each record line), in bins of 20 requests. Here the second line is priced with
+    the resident line refitted through the first line's one resident step (too few for a slope:
+    the prior's, 6.0 - 0.5 x 3 = 4.5 ms). On the stored 24 GB uniform H200 run, where no step
+    ran with every expert resident, the price reads 1.21x the steps at batch 20-39 and 0.95x at
+    100-119, and the read price sat at its floor (0.252 ms) for some of the steps."""
     out_steps = _serving_module("out_steps")
-    cost = {"base": 5.0, "per_request": 0.5, "expert": 0.25}
     records = [{"t": 1.0, "steps": [[1, 10.0, 4.0], [3, 6.0, 0.0]]}, {"t": 2.0, "steps": [[25, 40.0, 20.0]]}]
-    assert out_steps.price_by_batch(cost, records) == [
-        {"batch": [0, 19], "steps": 2, "measured_ms": 8.0, "priced_ms": 6.5, "priced_over_measured": 0.81, "reads": 2.0},
-        {"batch": [20, 39], "steps": 1, "measured_ms": 40.0, "priced_ms": 22.5, "priced_over_measured": 0.56,
-         "reads": 20.0}]
+    assert out_steps.price_by_batch((5.0, 0.5, 0.25), records) == [
+        {"batch": [0, 19], "steps": 2, "measured_ms": 8.0, "priced_ms": 6.5, "priced_over_measured": 0.81, "reads": 2.0,
+         "read_price_ms": [0.25, 0.25]},
+        {"batch": [20, 39], "steps": 1, "measured_ms": 40.0, "priced_ms": 22.0, "priced_over_measured": 0.55,
+         "reads": 20.0, "read_price_ms": [0.25, 0.25]}]
+    assert out_steps.prior_of("x\n[t] sglang-rimuru cost-aware adjuster: decode step 5.90 ms + 0.170 ms per request "
+                              "+ 0.336 ms per offloaded expert read (0 timed steps)\n") == (5.9, 0.17, 0.336)
     base = ROOT / "bench/results/device_h200_2026-12-06/elastic24d"
     out = subprocess.run([sys.executable, str(ROOT / "bench/serving/out_steps.py"), str(base), "--out",
                           str(tmp_path / "o.json")], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     res = json.loads((tmp_path / "o.json").read_text())
     assert res["resident_steps"] == 0 and "the card never held every expert" in out.stdout
-    ratios = {tuple(r["batch"]): r["priced_over_measured"] for r in res["price_by_batch"]["rows"]}
-    assert (ratios[(20, 39)], ratios[(100, 119)]) == (1.18, 0.88)
-    assert "| 100-119 | 27 | 400.8 | 353.5 | 0.88x | 1057.5 |" in out.stdout
+    assert res["price_by_batch"]["prior"] == [5.9, 0.17, 0.336]
+    rows = {tuple(r["batch"]): r for r in res["price_by_batch"]["rows"]}
+    assert (rows[(20, 39)]["priced_over_measured"], rows[(100, 119)]["priced_over_measured"]) == (1.21, 0.95)
+    assert rows[(20, 39)]["read_price_ms"] == [0.252, 0.326]
+    assert "| 100-119 | 27 | 400.8 | 378.8 | 0.95x | 1057.5 | 0.252-0.35 |" in out.stdout
 
 
 def test_the_tail_bounds_a_stopped_runs_whole_traffic_from_its_step_record(tmp_path):
