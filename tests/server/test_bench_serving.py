@@ -577,6 +577,11 @@ def test_the_tail_bounds_a_stopped_runs_whole_traffic_from_its_step_record(tmp_p
         tail.tail(run, records, log, lens)
 
 
+#: the [prompt, output] lengths of the first 150 requests of the anchors' ShareGPT sample
+#: (../shared/data/sharegpt_1000_seed1_ctx8192.json.lens.json, which a clone on its own lacks)
+LENS_150 = Path(__file__).parent / "data" / "sharegpt_1000_seed1_ctx8192_lens_first150.json"
+
+
 @pytest.fixture
 def device_clock():
     """The device's log stamps (UTC) read as this machine's local time: TZ pinned to UTC for
@@ -613,7 +618,7 @@ def test_the_tail_backtested_on_a_run_that_served_its_whole_traffic(device_clock
         recs, cut_log = tail.cut_at(records, log, began, seconds)
         assert recs[-1]["t"] <= began + seconds < records[len(recs)]["t"]
         assert len(cut_log) < len(log) and cut_log.startswith(log[:1000])
-        res = tail.tail(run, recs, cut_log, began=began)
+        res = tail.tail(run, recs, cut_log, LENS_150, began=began)
         got.append((res["elapsed_s"], res["batch_at_cut"], res["whole_tok_s_at_least"], res["estimate_whole_tok_s"]))
         assert res["whole_tok_s_at_least"] < res["estimate_whole_tok_s"] < measured
     assert got == [(59.7, 78, 63.4, 149.7), (79.9, 65, 76.1, 158.2), (127.7, 23, 123.6, 189.3)]
