@@ -147,16 +147,18 @@ def main() -> None:
     ap.add_argument("--out", help="write the figures as JSON")
     args = ap.parse_args()
 
-    def find(suffix: str) -> Path:
+    def find(suffix: str, required: bool = True) -> Path | None:
         for p in (Path(args.run + suffix + ".gz"), Path(args.run + suffix)):
             if p.exists():
                 return p
-        raise SystemExit(f"out_steps: no {args.run}{suffix}(.gz)")
+        if required:
+            raise SystemExit(f"out_steps: no {args.run}{suffix}(.gz)")
+        return None
 
     records = read_lines(find("_trace.steps.jsonl"))
     trace = read_lines(find("_trace.jsonl"))
     res = analyse(trace, records)
-    log_path = next((p for p in (Path(args.run + ".log.gz"), Path(args.run + ".log")) if p.exists()), None)
+    log_path = find(".log", required=False)
     prior = prior_of(read_log(log_path)) if log_path else None
     if prior:
         res["price_by_batch"] = {"prior": prior, "rows": price_by_batch(prior, records)}

@@ -130,11 +130,13 @@ def whole_run_ceiling(r: dict, lens: Path = LENS) -> str:
     traffic; the decode log's over a window, which this bounds from the other side. "" where
     unknown, else ``serves at most ...`` to follow the run's name."""
     f = whole_run_floor(r, lens)
-    if f is None:
-        return ""
-    step = r["log"]["lone_step_ms"]
-    return (f"serves at most {f.ceiling_tok_s:.0f} tok/s (its lone step "
-            f"{step:.0f} ms: request #{f.binding}'s {f.binding_output} tokens end at {f.makespan_s:.0f} s at the earliest)")
+    return "" if f is None else ceiling_text(r, f)
+
+
+def ceiling_text(r: dict, f) -> str:
+    """whole_run_ceiling's words for ``r``'s floor ``f`` (whole_run_floor's)."""
+    return (f"serves at most {f.ceiling_tok_s:.0f} tok/s (its lone step {r['log']['lone_step_ms']:.0f} ms: "
+            f"request #{f.binding}'s {f.binding_output} tokens end at {f.makespan_s:.0f} s at the earliest)")
 
 
 def stopped_rate(r: dict) -> tuple[float | None, str]:
@@ -252,13 +254,12 @@ def offload_pair(el: dict, offload: list[dict], traffic: tuple, need: float, len
     def ceiling(base: dict) -> str:
         """The baseline's whole-traffic ceiling, and where ``el`` served its whole traffic
         (bench_serving's figure) the ratio of the two: at least, as the ceiling is a bound."""
-        c = whole_run_ceiling(base, lens)
-        if not c:
-            return ""
         f = whole_run_floor(base, lens)
+        if f is None:
+            return ""
         whole = (f"; {el['name']} served the whole traffic at {el['bench']['output_throughput']:.0f} tok/s: "
                  f">= {el['bench']['output_throughput'] / f.ceiling_tok_s:.2f}x that") if done(el) else ""
-        return f"; over the whole traffic {base['name']} {c}{whole}"
+        return f"; over the whole traffic {base['name']} {ceiling_text(base, f)}{whole}"
 
     runs = lambda base: pair_of(el, base) + (
         "" if traffic_of(base) == traffic else f" (anchor on {describe(traffic_of(base))})")

@@ -583,17 +583,13 @@ LENS_150 = Path(__file__).parent / "data" / "sharegpt_1000_seed1_ctx8192_lens_fi
 
 
 @pytest.fixture
-def device_clock():
+def device_clock(monkeypatch):
     """The device's log stamps (UTC) read as this machine's local time: TZ pinned to UTC for
-    the test, and restored after it."""
-    before = os.environ.get("TZ")
-    os.environ["TZ"] = "UTC"
+    the test, and restored after it (monkeypatch's undo, then tzset to apply it)."""
+    monkeypatch.setenv("TZ", "UTC")
     time.tzset()
     yield
-    if before is None:
-        del os.environ["TZ"]
-    else:
-        os.environ["TZ"] = before
+    monkeypatch.undo()
     time.tzset()
 
 
