@@ -34,7 +34,7 @@ from pathlib import Path
 from code_digest import run_digest
 from makespan import FASTEST_STEP_MS, LENS, floor, floor_of_run
 from per_rank import rank_table
-from targets import describe, over_card, same_requests, stopped_rate, targets_table, traffic_of
+from targets import describe, gpu_of, over_card, same_requests, stopped_rate, targets_table, traffic_of
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -266,8 +266,10 @@ def plots(results: list[dict], out: Path, step_ms: float | None = None, lens: Pa
         ax3.set_xlabel("s since the first change (the adjuster trace: one point per change)")
         ax.set_title(f"{r['name']} ({r.get('code_digest') or '?'}): the pool's split and the queue")
         fig.tight_layout()
-        # named as bench/results/plots keeps them: one setting at two server codes is two plots
-        path = out / f"{r['name']}_split_{r.get('code_digest') or 'nocode'}.png"
+        # named as bench/results/plots keeps them: one setting at two server codes is two plots,
+        # and a run on another GPU than the tables' H200 says so (one setting, code and two GPUs)
+        gpu = "" if gpu_of(r) == "H200" else f"{gpu_of(r)}_"
+        path = out / f"{r['name']}_split_{gpu}{r.get('code_digest') or 'nocode'}.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)
         made.append(path)

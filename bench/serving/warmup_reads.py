@@ -37,8 +37,10 @@ from decode_log import read_lines, read_log  # noqa: E402
 from offload_sweep import shape_of  # noqa: E402
 from window import began_of  # noqa: E402
 
-#: the start line's "...; MoE kernel: auto -> no tuned table ...: exact (SGLang's configs, ...)"
-KERNEL = re.compile(r"MoE kernel: (?:auto -> [^:]*: )?(exact|fast)\b")
+#: the start line's "...; MoE kernel: auto -> no tuned table ...: exact (SGLang's configs, ...)"; the
+#: reason may hold colons of its own ("... here or in SGLang: the kernel's default table (...): fast"),
+#: so the choice is the first "exact" or "fast" after a colon, not after the first colon
+KERNEL = re.compile(r"MoE kernel: (?:auto -> [^;]*?: )?(exact|fast)\b")
 MIN_READS = 10  # expected reads a warm-up step below which its GB/s is left out
 
 
@@ -95,7 +97,8 @@ def main() -> None:
     print("| run | dir | code | kernel | warm-up steps | reads a step | median ms | GB/s |"
           + (" vs |" if ref else ""))
     print("|---|---|---|---|---|---|---|---|" + ("---|" if ref else ""))
-    for name in args.runs:
+    # the reference's own row last, so that the ratios' denominator is on the table
+    for name in args.runs + ([args.vs] if args.vs and args.vs not in args.runs else []):
         w = of(name)
         if w is None:
             print(f"| {Path(name).name} | {Path(name).parent.name} | no step record or warm-up | | | | | |")

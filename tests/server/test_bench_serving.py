@@ -1261,6 +1261,9 @@ def test_report_plots_the_pool_split_and_the_rate_sweep_of_stored_runs(tmp_path)
     for p in made:
         data = p.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    # the same setting and code on an H100 (thirty-third session) does not overwrite the H200's plot
+    h100 = report.load([str(ROOT / "bench/results/device_h100_2026-12-06/elastic24d.json")])
+    assert [p.name for p in report.plots(h100, tmp_path, step_ms=3.75)] == ["elastic24d_split_H100_f5c7aed6cf59.png"]
 
 
 def test_priced_out_reads_the_price_a_servers_line_carries():
@@ -1314,6 +1317,10 @@ def test_the_warmup_steps_before_the_traffic_give_each_machines_read_rate(tmp_pa
         f.write("".join(json.dumps(r) + "\n" for r in records))
     assert wr.warmup_rate(run, base)["GBps"] is None
     assert wr.kernel_of("MoE kernel: fast (configs E=128,N=768,device_name=NVIDIA_H200.json; ...)") == "fast"
+    # the H100's start line (thirty-third session): the reason holds a colon before the choice
+    assert wr.kernel_of("MoE kernel: auto -> no tuned table for this shape on this GPU, here or in SGLang: the "
+                        "kernel's default table (BLOCK_K >= 64, where ...): fast (configs default.json; ...)") == "fast"
+    assert wr.kernel_of("1043 resident; MoE kernel: auto -> no tuned table: other; ranking: x") is None
 
 
 def test_zero_copy_scale_takes_either_models_moe_layer():
