@@ -39,8 +39,8 @@ import time
 import torch
 
 from rimuru_kernels import pack_contiguous_weights, paged_fused_moe
-from rimuru_kernels.moe_config import (config_files, device_name, get_paged_moe_config,
-                                       get_paged_moe_down_config)
+from rimuru_kernels.moe_config import (config_files, device_name, device_shared_bytes, get_paged_moe_config,
+                                       get_paged_moe_down_config, pipeline_shared_bytes)
 from rimuru_kernels.paged_moe import _silu_and_mul
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -119,6 +119,22 @@ def chunk_ranges(base: int, end: int, first: int, chunk: int) -> list[tuple[int,
     ``chunk``'s divisors laid out from ``first`` never straddles two ranges."""
     cuts = list(range(first + chunk, end, chunk))
     return list(zip([base] + cuts, cuts + [end]))
+
+
+def with_stages(up: dict, down: dict | None, stages: str) -> tuple[dict, dict | None]:
+    """The launch configs with ``num_stages`` set for both GEMMs (``stages`` a number), or as
+    they are (``"cfg"``)."""
+    if stages == "cfg":
+        return up, down
+    return {**up, "num_stages": int(stages)}, None if down is None else {**down, "num_stages": int(stages)}
+
+
+def pipelines_fit(up: dict, down: dict | None, w13: str, shared_bytes: int) -> bool:
+    """Whether both GEMMs' tiles pipeline within a block's shared memory: a ``--stages``
+    override past it (BK 128, BN 128 fused at 3 stages already takes 204 KiB of Hopper's 227)
+    would stop the whole call at its first launch instead of leaving one row out."""
+    return (pipeline_shared_bytes(up, fused=w13 == "fused") <= shared_bytes
+            and (down is None or pipeline_shared_bytes(down, fused=False) <= shared_bytes))
 
 
 def anon_huge_kib() -> int:
@@ -240,14 +256,21 @@ def main() -> None:
             print(f"T={T}: SGLang's configs up {cfgs[(T, 'sglang')][0]} down {cfgs[(T, 'sglang')][1]}", flush=True)
     res["configs"] = {f"{T}/{kind}": v for (T, kind), v in cfgs.items()}
 
+    def launch_configs(T, kind="kernel", stages="cfg", resolve=False):
+        """(up, down) as step_fn passes them: None, None for the kernel's own tables unless an
+        override or ``resolve`` needs them spelled out."""
+        up, down = cfgs[(T, kind)]
+        if up is None and (stages != "cfg" or resolve):  # the kernel's own tables
+            dev = torch.device("cuda")
+            up, down = get_paged_moe_config(E, I, T, dev), get_paged_moe_down_config(E, I, T, dev)
+        return with_stages(up, down, stages) if up is not None else (up, down)
+
+    shared = device_shared_bytes(torch.device("cuda"))
+    res["shared_bytes"] = shared
+
     def step_fn(T, tables, host, kind="kernel", w13="fused", stages="cfg"):
         hidden, routes = plans[T]
-        up, down = cfgs[(T, kind)]
-        if stages != "cfg":
-            if up is None:  # the kernel's own tables: resolve them to override one key
-                up, down = get_paged_moe_config(E, I, T, hidden.device), get_paged_moe_down_config(E, I, T, hidden.device)
-            up = {**up, "num_stages": int(stages)}
-            down = None if down is None else {**down, "num_stages": int(stages)}
+        up, down = launch_configs(T, kind, stages)
         act = None if w13 == "fused" else _silu_and_mul
 
         def step():
@@ -266,6 +289,17 @@ def main() -> None:
         return ms, out_buf[T].clone()
 
     variants = [(kind, w13, st) for kind in kinds for w13 in args.w13.split(",") for st in args.stages.split(",")]
+
+    def fits(T, kind, w13, st) -> bool:
+        up, down = launch_configs(T, kind, st, resolve=True)
+        if pipelines_fit(up, down, w13, shared):
+            return True
+        res.setdefault("skipped", []).append(f"T={T} {kind}/{w13}/s{st}: past {shared} B of shared memory")
+        print(f"T={T}: {kind} configs, {w13} gate/up, stages {st}: left out, its tiles need more than the "
+              f"{shared} B of shared memory a block has", flush=True)
+        return False
+
+    runnable = {T: [v for v in variants if fits(T, *v)] for T in tokens}
     base = {}
 
     def base_for(T, kind="kernel", w13="fused", st="cfg") -> tuple[float, torch.Tensor]:
@@ -277,7 +311,7 @@ def main() -> None:
         return base[(T, kind, w13, st)]
 
     for T in tokens:
-        for v in variants:
+        for v in runnable[T]:
             base_for(T, *v)
     print(f"{'layout':11} {'T':>4} {'k':>3} {'GiB':>6} {'step ms':>8} {'+ms':>8} {'GB/s':>6} equal", flush=True)
 
@@ -309,7 +343,7 @@ def main() -> None:
                     for m in range(3):
                         p = int(table0[e, m])
                         host[(3 * j + m) * IH:(3 * j + m + 1) * IH].copy_(pool[p * pe:p * pe + IH])
-                for kind, w13, st in variants:
+                for kind, w13, st in runnable[T]:
                     ms, got = timed(T, tables_for(T, k, lambda l, j: j, out_set), host, kind, w13, st)
                     record("compact", T, k, ms, bool(torch.equal(got, base_for(T, kind, w13, st)[1])), kind=kind,
                            out_set=out_set, w13=w13, stages=st)

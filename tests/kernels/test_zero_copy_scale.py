@@ -26,3 +26,23 @@ def test_chunk_ranges_cover_the_region_and_keep_every_slot_whole():
 def test_a_region_smaller_than_a_chunk_is_one_range():
     m = load()
     assert m.chunk_ranges(0, 500, 10, 1000) == [(0, 500)]
+
+
+def test_a_stages_override_past_shared_memory_is_left_out_not_launched():
+    """--stages N sets num_stages on both GEMMs; a variant whose tiles then need more shared
+    memory than a block has is left out (a launch would stop the call). The kernel's
+    default.json at 100 tokens (BM 16, BN 128, BK 128, 2 stages) takes 136 KiB fused: 3 stages
+    fit Hopper's 227 KiB, 4 do not; unfused (one B tile) 4 stages fit."""
+    m = load()
+    up = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4,
+          "num_stages": 2}
+    hopper = 227 * 1024
+    assert m.with_stages(up, None, "cfg") == (up, None)
+    up3, down3 = m.with_stages(up, dict(up), "3")
+    assert (up3["num_stages"], down3["num_stages"], up["num_stages"]) == (3, 3, 2)  # the table is not touched
+    assert m.pipelines_fit(up, None, "fused", hopper)  # 2 x (16*128 + 2*128*128) * 2 B = 136 KiB
+    assert m.pipelines_fit(up3, down3, "fused", hopper)  # 204 KiB
+    up4, down4 = m.with_stages(up, dict(up), "4")
+    assert not m.pipelines_fit(up4, down4, "fused", hopper)  # 272 KiB
+    assert m.pipelines_fit(up4, down4, "unfused", hopper)  # 4 x (16*128 + 128*128) * 2 B = 144 KiB
+    assert not m.pipelines_fit(up, None, "fused", 99 * 1024)  # an Ada card's block
