@@ -33,6 +33,7 @@ import argparse
 import json
 import mmap
 import os
+import re
 import sys
 import time
 
@@ -41,7 +42,7 @@ import torch
 from rimuru_kernels import pack_contiguous_weights, paged_fused_moe
 from rimuru_kernels.moe_config import (config_files, device_name, device_shared_bytes, get_paged_moe_config,
                                        get_paged_moe_down_config, pipeline_shared_bytes)
-from rimuru_kernels.paged_moe import _silu_and_mul
+from rimuru_kernels.paged_moe import _silu_and_mul, fit_fused_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from paged_rig import capture_graph  # noqa: E402
@@ -121,19 +122,35 @@ def chunk_ranges(base: int, end: int, first: int, chunk: int) -> list[tuple[int,
     return list(zip([base] + cuts, cuts + [end]))
 
 
+#: a --tiles spec: BLOCK_SIZE_N x BLOCK_SIZE_K x num_stages x num_warps
+TILES = re.compile(r"^(\d+)x(\d+)x(\d+)x(\d+)$")
+
+
 def with_stages(up: dict, down: dict | None, stages: str) -> tuple[dict, dict | None]:
-    """The launch configs with ``num_stages`` set for both GEMMs (``stages`` a number), or as
-    they are (``"cfg"``)."""
+    """The launch configs as they are (``"cfg"``), with ``num_stages`` set for both GEMMs
+    (``stages`` a number), or with BLOCK_SIZE_N, BLOCK_SIZE_K, num_stages and num_warps set
+    for both (a ``--tiles`` spec ``NxKxSxW``; BLOCK_SIZE_M and GROUP_SIZE_M stay the table's,
+    as the token alignment is the table's)."""
     if stages == "cfg":
         return up, down
-    return {**up, "num_stages": int(stages)}, None if down is None else {**down, "num_stages": int(stages)}
+    if m := TILES.match(stages):
+        bn, bk, st, nw = map(int, m.groups())
+        keys = {"BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "num_stages": st, "num_warps": nw}
+    else:
+        keys = {"num_stages": int(stages)}
+    return {**up, **keys}, None if down is None else {**down, **keys}
 
 
 def pipelines_fit(up: dict, down: dict | None, w13: str, shared_bytes: int) -> bool:
-    """Whether both GEMMs' tiles pipeline within a block's shared memory: a ``--stages``
-    override past it (BK 128, BN 128 fused at 3 stages already takes 204 KiB of Hopper's 227)
-    would stop the whole call at its first launch instead of leaving one row out."""
-    return (pipeline_shared_bytes(up, fused=w13 == "fused") <= shared_bytes
+    """Whether both GEMMs run the tiles asked for: within a block's shared memory (past it a
+    launch would stop the whole call instead of leaving one row out), and for the fused
+    gate/up GEMM within the kernel's own budget, below which ``fit_fused_config`` drops stages
+    and then halves BLOCK_SIZE_N (BK 128, BN 128 fused at 3 stages takes 204 KiB: it would run
+    2 stages, the table's, under another name)."""
+    fused = w13 == "fused"
+    if fused and fit_fused_config(up, 2) != up:
+        return False
+    return (pipeline_shared_bytes(up, fused=fused) <= shared_bytes
             and (down is None or pipeline_shared_bytes(down, fused=False) <= shared_bytes))
 
 
@@ -163,6 +180,10 @@ def main() -> None:
                          "default exact kernel runs, with SGLang's activation)")
     ap.add_argument("--stages", default="cfg",
                     help="compact only, comma separated: num_stages for both GEMMs, or cfg (the config's)")
+    ap.add_argument("--tiles", default="",
+                    help="compact only, comma separated NxKxSxW: more variants with BLOCK_SIZE_N, BLOCK_SIZE_K, "
+                         "num_stages and num_warps set for both GEMMs (e.g. 64x128x4x4): a launch config for host "
+                         "reads, apart from the HBM-tuned tables")
     ap.add_argument("--host-offsets", default="",
                     help="comma separated byte offsets (even): each adds a spread+N layout, the spread region "
                          "starting N bytes past its 2 MiB boundary (64: the server's host store before 2 MiB "
@@ -288,7 +309,11 @@ def main() -> None:
         torch.cuda.synchronize()
         return ms, out_buf[T].clone()
 
-    variants = [(kind, w13, st) for kind in kinds for w13 in args.w13.split(",") for st in args.stages.split(",")]
+    tiles = [t for t in args.tiles.split(",") if t]
+    bad = [t for t in tiles if not TILES.match(t)]
+    assert not bad, f"--tiles {bad}: each NxKxSxW (BLOCK_SIZE_N x BLOCK_SIZE_K x num_stages x num_warps)"
+    variants = [(kind, w13, st) for kind in kinds for w13 in args.w13.split(",")
+                for st in args.stages.split(",") + tiles]
 
     def fits(T, kind, w13, st) -> bool:
         up, down = launch_configs(T, kind, st, resolve=True)
@@ -296,7 +321,7 @@ def main() -> None:
             return True
         res.setdefault("skipped", []).append(f"T={T} {kind}/{w13}/s{st}: past {shared} B of shared memory")
         print(f"T={T}: {kind} configs, {w13} gate/up, stages {st}: left out, its tiles need more than the "
-              f"{shared} B of shared memory a block has", flush=True)
+              f"{shared} B of shared memory a block has, or than the fused kernel plans for", flush=True)
         return False
 
     runnable = {T: [v for v in variants if fits(T, *v)] for T in tokens}

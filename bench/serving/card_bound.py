@@ -1,7 +1,7 @@
 """The most decode tok/s any split of a card's pool can reach, from one elastic run.
 
     python3 bench/serving/card_bound.py RUN.json [--tokens-per-request 300 400 500] [--ranking FILE]
-                                        [--vs TOK_S] [--out FILE.json]
+                                        [--vs TOK_S] [--read-gbps G] [--copy-gbps G] [--out FILE.json]
 
 Issue 12 asks, where a target is missed, for what limits it in bytes per step
 against the PCIe ceiling. On a card that cannot hold the model a decode step of
@@ -25,8 +25,11 @@ the JSON), the step line and read price (``trace.cost_ms``: the adjuster's last
 fit; its log's last fit where it moved no expert), the routing (the ranking file its server read, ``--rimuru-expert-ranking``,
 or uniform ``top_k / E`` where it read none and ran the dummy routers unskewed).
 ``L``: the tokens a running request holds; its decode log's ``#token`` over
-``#running-req`` gives the range on its traffic. Writes ``--out`` (JSON) and prints a
-table. No GPU, no SGLang.
+``#running-req`` gives the range on its traffic. ``--read-gbps`` prices a read at a measured
+in-place rate instead (the adjuster's fit averages its window's batches, and a full batch reads
+slower than a small one: thirty-third session). ``--copy-gbps`` adds the bound of a copy-engine
+path that is not built (``staged_bound``), to say what it could buy over reading in place.
+Writes ``--out`` (JSON) and prints the tables. No GPU, no SGLang.
 """
 
 from __future__ import annotations
@@ -131,10 +134,49 @@ def bound(desc: list[float], cost: CostModel, expert_bytes: int, kv_bytes: int, 
     return best or {"tokens_per_request": tokens, "resident": None, "batch": 0, "tok_s": 0.0}
 
 
-def card_bound(run: dict, log: str, ranking: Path | None, tokens: list[float]) -> dict:
+def staged_bound(probs: list[list[float]], cost: CostModel, expert_bytes: int, kv_bytes: int, kv_token: int,
+                 least: int, requests: int, tokens: float, copy_gbps: float, load_buffer_experts: int) -> dict:
+    """The same bound for a copy-engine path that is not built (bench/README, "not built"):
+    each step moves *every* offloaded expert by DMA at ``copy_gbps`` (routing is not known to
+    the host under a CUDA graph) into two staging buffers of the largest layer's out set, one
+    layer ahead, hidden behind compute as far as it lasts:
+    ``step = max(resident step, out x bytes / copy_gbps)``, an upper bound of such a path.
+    Its buffers come out of the pool beyond the load buffers it already holds, so each split
+    leaves less KV than in place. ``probs``: per layer, each expert's per-token probability."""
+    # the most probable first; equal ones (uniform routing) one layer after another, so that
+    # the resident experts spread over the layers as the residency manager spreads them
+    order = sorted(((p, rank, layer) for layer, ps in enumerate(probs)
+                    for rank, p in enumerate(sorted(ps, reverse=True))), key=lambda x: (-x[0], x[1], x[2]))
+    out = [len(ps) for ps in probs]  # per layer, experts out of the pool: every one at n = 0
+    best = None
+    for n in range(len(order) + 1):
+        if n:
+            out[order[n - 1][2]] -= 1  # the n-th most probable expert stays resident
+        if n < max(0, least):
+            continue
+        staged = max(0, 2 * max(out) - load_buffer_experts)
+        kv = kv_bytes - (n + staged) * expert_bytes
+        if kv < tokens * kv_token:
+            continue  # the buffers shrink as n grows: a later split may fit a request again
+        batch = min(requests, int(kv / kv_token / tokens))
+        moved = sum(out)
+        copy_ms = moved * expert_bytes / (copy_gbps * 1e6)
+        step = max(cost.step_ms(batch), copy_ms)
+        tok_s = batch / step * 1e3
+        if best is None or tok_s > best["tok_s"]:
+            best = {"tokens_per_request": tokens, "resident": n, "batch": batch, "moved": moved,
+                    "staging_experts": staged, "copy_ms": round(copy_ms, 2), "step_ms": round(step, 2),
+                    "tok_s": round(tok_s, 1), "copy_gb_per_step": round(moved * expert_bytes / 1e9, 2)}
+    return best or {"tokens_per_request": tokens, "resident": None, "batch": 0, "tok_s": 0.0}
+
+
+def card_bound(run: dict, log: str, ranking: Path | None, tokens: list[float],
+               copy_gbps: float | None = None, read_gbps: float | None = None) -> dict:
     shape = shape_of(run)
     pool = pool_of(log)
-    cost = cost_of(run, log)
+    cost = dict(cost_of(run, log))
+    if read_gbps:  # a measured in-place rate instead of the adjuster's last price
+        cost["expert"] = shape.expert_bytes / (read_gbps * 1e6)
     # the pool's bytes less its load buffers: what experts and KV share
     shared = pool["pages"] * pool["page_bytes"] - pool["load_buffer_experts"] * shape.expert_bytes
     probs = probabilities(run, shape, ranking)
@@ -143,8 +185,11 @@ def card_bound(run: dict, log: str, ranking: Path | None, tokens: list[float]) -
     model = CostModel(expert_ms=cost["expert"], base_ms=cost["base"], per_request_ms=cost["per_request"])
     rows = [bound(desc, model, shape.expert_bytes, shared, shape.kv_bytes_per_token, least, run["num_prompts"], t)
             for t in tokens]
+    staged = [staged_bound(probs, model, shape.expert_bytes, shared, shape.kv_bytes_per_token, least,
+                           run["num_prompts"], t, copy_gbps, pool["load_buffer_experts"]) for t in tokens] \
+        if copy_gbps else None
     held = tokens_per_request(log)
-    return {"run": run["name"], "model": run.get("model"), "ranking": str(ranking.relative_to(ROOT))
+    return {"run": run["name"], "copy_gbps": copy_gbps, "staged_rows": staged, "model": run.get("model"), "ranking": str(ranking.relative_to(ROOT))
             if ranking and ranking.is_relative_to(ROOT) else (str(ranking) if ranking else "uniform"),
             "cost_ms": cost, "pool": pool, "shared_bytes": shared, "expert_bytes": shape.expert_bytes,
             "kv_bytes_per_token": shape.kv_bytes_per_token,
@@ -160,6 +205,14 @@ def main() -> None:
     ap.add_argument("--tokens-per-request", type=float, nargs="+", default=[300, 400, 500])
     ap.add_argument("--ranking", help="the routing's ranking file (default: the one the server read)")
     ap.add_argument("--vs", type=float, help="a baseline's tok/s: each bound and the run over it")
+    ap.add_argument("--read-gbps", type=float,
+                    help="price an in-place read at this rate instead of the adjuster's last fit (e.g. what the "
+                         "run's step record read at full batch, which the fit over a window of batches averages; "
+                         "a record's reads over its steps' time count the compute in, which the bound then adds "
+                         "again: about the resident line's ms a step, 5-10 %% at full batch)")
+    ap.add_argument("--copy-gbps", type=float,
+                    help="also the bound of a copy-engine path (every offloaded expert staged by DMA at this "
+                         "rate each step: zero_copy_scale.py's copy_ceiling_GBps of the machine)")
     ap.add_argument("--out", help="write the numbers here (JSON)")
     args = ap.parse_args()
     path = Path(args.run)
@@ -168,7 +221,7 @@ def main() -> None:
     if not log_path.exists():
         raise SystemExit(f"card_bound.py: no server log {log_path} beside the run")
     ranking = Path(args.ranking) if args.ranking else ranking_of(run)
-    res = card_bound(run, read_log(log_path), ranking, args.tokens_per_request)
+    res = card_bound(run, read_log(log_path), ranking, args.tokens_per_request, args.copy_gbps, args.read_gbps)
     res["measured_tok_s"], res["measured_source"] = rate_of(run)
     res["vs"] = args.vs
     if args.out:
@@ -186,6 +239,18 @@ def main() -> None:
         extra = f" | {r['tok_s'] / args.vs:.2f}x | {res['measured_tok_s'] / args.vs:.2f}x" if args.vs else ""
         print(f"| {r['tokens_per_request']:g} | {r['resident']} | {r['batch']} | {r.get('reads', 0):.0f} | "
               f"{r.get('read_gb_per_step', 0):.2f} | {r.get('step_ms', 0):.1f} | {r['tok_s']:.0f}{extra} |")
+    if res["staged_rows"]:
+        print(f"\ncopy engine (not built): every offloaded expert staged by DMA at {args.copy_gbps:g} GB/s each step, "
+              f"overlapped with compute, in two buffers of the largest layer's out set")
+        print(f"| tokens a request | best resident | batch | experts moved | staging experts | GB moved a step | "
+              f"copy ms | step ms | decode tok/s bound{vs.split(' | measured')[0]} | over in place |")
+        print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.vs else ""))
+        for r, inplace in zip(res["staged_rows"], res["rows"]):
+            extra = f" | {r['tok_s'] / args.vs:.2f}x" if args.vs else ""
+            print(f"| {r['tokens_per_request']:g} | {r['resident']} | {r['batch']} | {r.get('moved', 0)} | "
+                  f"{r.get('staging_experts', 0)} | {r.get('copy_gb_per_step', 0):.2f} | {r.get('copy_ms', 0):.1f} | "
+                  f"{r.get('step_ms', 0):.1f} | {r['tok_s']:.0f}{extra} | "
+                  f"{r['tok_s'] / inplace['tok_s'] if inplace['tok_s'] else 0:.2f}x |")
 
 
 if __name__ == "__main__":

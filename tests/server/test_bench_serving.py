@@ -1248,6 +1248,37 @@ def test_priced_out_rounds_of_a_stored_run_asked_again_of_todays_adjuster():
     assert [(r["evicts"], r["reason"]) for r in skew] == [(0, "priced_out")]
 
 
+def test_the_copy_engine_bound_moves_every_offloaded_expert_and_pays_for_its_buffers():
+    """card_bound.staged_bound (a path not built): each step moves every expert out at the
+    copy rate, hidden behind the resident step as far as it lasts, and two buffers of the
+    largest layer's out set, beyond the pool's load buffers, leave less room for KV."""
+    from sglang_rimuru.adjuster.cost import CostModel
+
+    cb = _serving_module("card_bound")
+    probs = [[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]]  # two layers of three experts
+    cost = CostModel(expert_ms=0.0, base_ms=1.0, per_request_ms=0.0)
+    # 1,000 B an expert, 10,000 B for experts and KV, 100 B a request (10 tokens of 10 B)
+    args = dict(expert_bytes=1000, kv_bytes=10_000, kv_token=10, least=0, requests=1000, tokens=10)
+    # a fast copy: every step takes the resident 1 ms, so the most KV wins: everything out, and
+    # the buffers (2 x 3 experts) less the pool's 2 load-buffer experts leave 10,000 - 4,000 B
+    fast = cb.staged_bound(probs, cost, copy_gbps=1.0, load_buffer_experts=2, **args)
+    assert (fast["resident"], fast["moved"], fast["staging_experts"], fast["batch"]) == (0, 6, 4, 60)
+    assert fast["step_ms"] == 1.0 and fast["tok_s"] == 60_000.0
+    no_buffers = cb.staged_bound(probs, cost, copy_gbps=1.0, load_buffer_experts=0, **args)
+    assert (no_buffers["staging_experts"], no_buffers["batch"]) == (6, 40)
+    # a slow copy, 1 ms an expert: keep all but the least probable (layer 1's 0.1), whose
+    # buffers the load buffers hold: 5,000 B of KV, 50 requests, one expert moved in 1 ms
+    slow = cb.staged_bound(probs, cost, copy_gbps=1e-3, load_buffer_experts=2, **args)
+    assert (slow["resident"], slow["moved"], slow["staging_experts"], slow["batch"]) == (5, 1, 0, 50)
+    assert (slow["copy_ms"], slow["step_ms"], slow["tok_s"]) == (1.0, 1.0, 50_000.0)
+    # equal probabilities stay resident one layer after another, as the residency manager
+    # spreads them: 2 resident of 2 x 4 leave 3 out in each layer (buffers of 2 x 3, KV for
+    # 20 requests); filled layer by layer they would leave 4 out in one, and no KV at all
+    uniform = [[0.25] * 4, [0.25] * 4]
+    even = cb.staged_bound(uniform, cost, copy_gbps=1.0, load_buffer_experts=0, **{**args, "least": 2})
+    assert (even["resident"], even["moved"], even["staging_experts"], even["batch"]) == (2, 6, 6, 20)
+
+
 def test_report_plots_the_pool_split_and_the_rate_sweep_of_stored_runs(tmp_path):
     """report.py --plots on stored H200 runs (skewed, 32 GB, plain against elastic at 1, 5 and
     10 req/s): one split plot (named with its server code) for the run with an adjuster trace
