@@ -57,7 +57,7 @@ from sglang_rimuru.adjuster.cost import step_record_path  # noqa: E402
 from sglang_rimuru.serving import start_local_server  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from code_digest import tree_digest  # noqa: E402
+from code_digest import device_of, tree_digest  # noqa: E402
 from decode_log import log_stats, read_lines  # noqa: E402
 from per_rank import SMI_APPS, SMI_GPUS, parse_smi, wants_trace  # noqa: E402
 from phases import aggregate, parse_phases, phase_datasets, phase_summary  # noqa: E402
@@ -470,7 +470,7 @@ def main() -> None:
         "name": args.name, "server_args": server_args, "card_gib": args.card_gb, "card_cap": args.card_cap,
         "router_skew": args.skew,
         # the server code this run ran (code_digest.py: the device has no .git to name a commit)
-        "code_digest": tree_digest(), "model": Path(args.model).name,
+        "code_digest": tree_digest(device=device_of(gpu["name"])), "model": Path(args.model).name,
         # a phased run has no one rate (report.py leaves it out of rate plots and traffic floors)
         "gpu": gpu, "fraction": fraction, "rate": None if args.phases else args.rate,
         "num_prompts": num_prompts, "seed": args.seed,

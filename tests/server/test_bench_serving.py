@@ -71,7 +71,7 @@ def test_run_one_and_report_on_cpu(tmp_path, model_dir):
     assert res["peak_host_rss_mib"] > 100  # the server's processes (SGLang alone is hundreds of MiB)
     assert "elastic_cpu: completed 12/12" in proc.stdout
     # the server code it ran (the device has no .git: the digest names it), and the model
-    assert res["code_digest"] == _serving_module("code_digest").tree_digest(ROOT)
+    assert res["code_digest"] == _serving_module("code_digest").tree_digest(ROOT)  # no GPU: every table
     assert res["model"] == Path(model).name
     # SGLang's bench_serving still prints the line its traffic's start is read from, and the
     # pass record counts from there, not from bench_serving's launch. The step record is
@@ -730,6 +730,16 @@ def test_the_code_digest_covers_the_servers_code_only(tmp_path):
     assert cd.tree_digest(tmp_path) == first and len(first) == 12
     (tmp_path / "kernels/pkg/cfg.json").write_text('{"BLOCK_M": 16}')
     assert cd.tree_digest(tmp_path) != first
+    # a table tuned for another GPU: part of the code for the GPU it names, not for the others
+    h200 = cd.tree_digest(tmp_path, device="NVIDIA_H200")
+    assert h200 == cd.tree_digest(tmp_path)  # no GPU's table yet: the device changes nothing
+    (tmp_path / "kernels/pkg/E=60,N=1408,device_name=NVIDIA_H100_80GB_HBM3_down.json").write_text("{}")
+    assert cd.tree_digest(tmp_path, device="NVIDIA_H200") == h200
+    assert cd.tree_digest(tmp_path, device=cd.device_of("NVIDIA H100 80GB HBM3")) != h200
+    assert cd.tree_digest(tmp_path) != h200  # every GPU's tables without a device
+    (tmp_path / "kernels/pkg/E=60,N=1408,device_name=NVIDIA_H200.json").write_text("{}")
+    assert cd.tree_digest(tmp_path, device="NVIDIA_H200") != h200
+    assert cd.device_of(None) is None
     assert cd.commit_digest("HEAD", ROOT) == cd.tree_digest(ROOT) or subprocess.run(
         ["git", "-C", str(ROOT), "status", "--porcelain", "--", *cd.CODE_DIRS], capture_output=True,
         text=True).stdout.strip()  # a working tree with uncommitted server code differs from HEAD
