@@ -189,8 +189,9 @@ def card_bound(run: dict, log: str, ranking: Path | None, tokens: list[float],
                            run["num_prompts"], t, copy_gbps, pool["load_buffer_experts"]) for t in tokens] \
         if copy_gbps else None
     held = tokens_per_request(log)
-    return {"run": run["name"], "copy_gbps": copy_gbps, "staged_rows": staged, "model": run.get("model"), "ranking": str(ranking.relative_to(ROOT))
+    return {"run": run["name"], "model": run.get("model"), "ranking": str(ranking.relative_to(ROOT))
             if ranking and ranking.is_relative_to(ROOT) else (str(ranking) if ranking else "uniform"),
+            "copy_gbps": copy_gbps, "staged_rows": staged,
             "cost_ms": cost, "pool": pool, "shared_bytes": shared, "expert_bytes": shape.expert_bytes,
             "kv_bytes_per_token": shape.kv_bytes_per_token,
             "tokens_per_request_measured": [round(min(held)), round(max(held))] if held else None,
