@@ -28,6 +28,7 @@ import argparse
 import functools
 import hashlib
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -68,15 +69,26 @@ def digest_of(files: dict[str, bytes], device: str | None = None) -> str:
     return h.hexdigest()[:12]
 
 
-def tree_digest(root: Path = ROOT, device: str | None = None) -> str:
+#: where the kernel's own tables live: a table read from RIMURU_KERNELS_CONFIG_DIR counts as
+#: if it were there (the server reads it first, under the same name)
+KERNEL_CONFIGS = "kernels/rimuru_kernels/configs"
+
+
+def tree_digest(root: Path = ROOT, device: str | None = None, config_dirs: str | None = None) -> str:
     """The digest of the code under ``root`` as it is on disk (what a run on ``device``
-    imports and reads; every GPU's tables where None)."""
+    imports and reads; every GPU's tables where None). ``config_dirs``: the server's
+    ``RIMURU_KERNELS_CONFIG_DIR`` (os.pathsep-separated): each table there counts as the
+    kernel's own of that name, the first folder's over the later ones', as the lookup reads
+    them, so a run on a table under trial has the digest of the commit that ships it."""
     files = {}
     for d in CODE_DIRS:
         for f in (root / d).rglob("*"):
             rel = f.relative_to(root).as_posix()
             if f.is_file() and _counts(rel, device):
                 files[rel] = f.read_bytes()
+    for d in reversed([Path(x) for x in (config_dirs or "").split(os.pathsep) if x]):
+        for f in sorted(d.glob("*.json")):
+            files[f"{KERNEL_CONFIGS}/{f.name}"] = f.read_bytes()
     return digest_of(files, device)
 
 

@@ -470,7 +470,8 @@ def main() -> None:
         "name": args.name, "server_args": server_args, "card_gib": args.card_gb, "card_cap": args.card_cap,
         "router_skew": args.skew,
         # the server code this run ran (code_digest.py: the device has no .git to name a commit)
-        "code_digest": tree_digest(device=device_of(gpu["name"])), "model": Path(args.model).name,
+        "code_digest": tree_digest(device=device_of(gpu["name"]), config_dirs=os.environ.get("RIMURU_KERNELS_CONFIG_DIR")),
+        "kernel_config_dir": os.environ.get("RIMURU_KERNELS_CONFIG_DIR") or None, "model": Path(args.model).name,
         # a phased run has no one rate (report.py leaves it out of rate plots and traffic floors)
         "gpu": gpu, "fraction": fraction, "rate": None if args.phases else args.rate,
         "num_prompts": num_prompts, "seed": args.seed,

@@ -63,3 +63,61 @@ def test_a_tiles_spec_sets_the_tile_stages_and_warps_of_both_gemms():
     assert m.pipelines_fit(*m.with_stages(up, dict(up), "64x256x2x8"), "fused", 227 * 1024)
     assert m.pipelines_fit(*m.with_stages(up, dict(up), "64x128x5x4"), "fused", 227 * 1024)  # 180 KiB
     assert m.TILES.match("64x128x4x4") and not m.TILES.match("64x128x4")
+
+
+def _row(T, k, spec, ms, equal=True, **kw):
+    return {"layout": "compact", "configs": "kernel", "w13": "fused", "out_set": "random", "stages": spec,
+            "T": T, "k": k, "step_ms": ms, "GBps": 19.0 * 635.0 / ms, "equal": equal, **kw}
+
+
+def test_host_read_table_takes_the_fastest_bit_equal_variant_into_the_nearest_entry(tmp_path):
+    """bench/kernel/host_read_table.py: per token count the fastest variant whose output was
+    bit-equal replaces the table entry a batch of that size reads, keeping the table's token
+    alignment (BLOCK_SIZE_M, GROUP_SIZE_M); a gain under --min-gain, a variant that was not
+    equal, or another k, change nothing."""
+    import json
+    import subprocess
+    import sys
+
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    hrt = bench_module("kernel/host_read_table.py")
+    rows = [_row(100, 49, "cfg", 635.0), _row(100, 49, "64x128x4x4", 420.0),
+            _row(100, 49, "32x128x6x4", 400.0, equal=False),  # faster, but its output differed
+            _row(100, 9, "64x128x5x4", 50.0),  # fewer experts out: not the full-batch case
+            _row(56, 49, "cfg", 600.0), _row(56, 49, "128x64x4x4", 590.0),  # 1.7 %: under the gain
+            _row(100, 49, "64x128x5x4", 410.0, configs="sglang")]  # SGLang's configs: not the kernel's
+    picked = hrt.winners(rows, 0.05)
+    assert picked == {100: {"spec": "64x128x4x4", "k": 49, "step_ms": 420.0, "cfg_ms": 635.0, "GBps": 28.7}}
+    base = {64: {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                 "num_warps": 4, "num_stages": 2},
+            128: {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                  "num_warps": 4, "num_stages": 2},
+            256: {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8,
+                  "num_warps": 4, "num_stages": 3}}
+    table = hrt.table_with(base, picked)
+    assert table[128] == {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                          "num_warps": 4, "num_stages": 4}  # 100 reads the entry of 128
+    assert table[64] == base[64] and table[256] == base[256] and base[128]["BLOCK_SIZE_N"] == 128
+
+    # the command: a run on the default table, written where the device returns it, then here
+    run = {"shape": "qwen1.5", "device": "NVIDIA H100 80GB HBM3", "rows": rows,
+           "configs_read": ["/tmp/site/kernels/rimuru_kernels/configs/default.json"]}
+    (tmp_path / "zcs.json").write_text(json.dumps(run))
+    script = str(root / "bench/kernel/host_read_table.py")
+    out = subprocess.run([sys.executable, script, str(tmp_path / "zcs.json"), "--out-dir", str(tmp_path / "d"),
+                          "--json", str(tmp_path / "t.json")], capture_output=True, text=True, check=True).stdout
+    name = "E=60,N=1408,device_name=NVIDIA_H100_80GB_HBM3.json"
+    assert "T=100, k=49: 64x128x4x4 420.0 ms against the table's 635.0" in out
+    written = json.loads((tmp_path / "d" / name).read_text())
+    assert written["128"]["BLOCK_SIZE_N"] == 64 and written["128"]["num_stages"] == 4 and len(written) > 3
+    subprocess.run([sys.executable, script, "--tables-from", str(tmp_path / "t.json"), "--out-dir",
+                    str(tmp_path / "here")], check=True, capture_output=True)
+    assert json.loads((tmp_path / "here" / name).read_text()) == written
+    # no gain: nothing written, and said
+    slow = {**run, "rows": [_row(100, 49, "cfg", 635.0), _row(100, 49, "64x128x4x4", 630.0)]}
+    (tmp_path / "slow.json").write_text(json.dumps(slow))
+    out = subprocess.run([sys.executable, script, str(tmp_path / "slow.json"), "--out-dir", str(tmp_path / "none")],
+                         capture_output=True, text=True, check=True).stdout
+    assert "no table written" in out and not (tmp_path / "none").exists()

@@ -740,6 +740,16 @@ def test_the_code_digest_covers_the_servers_code_only(tmp_path):
     (tmp_path / "kernels/pkg/E=60,N=1408,device_name=NVIDIA_H200.json").write_text("{}")
     assert cd.tree_digest(tmp_path, device="NVIDIA_H200") != h200
     assert cd.device_of(None) is None
+    # a table under trial in RIMURU_KERNELS_CONFIG_DIR counts as the kernel's own of that name:
+    # the run's digest is that of the commit that ships it
+    trial = tmp_path / "trial"
+    trial.mkdir()
+    (trial / "E=60,N=1408,device_name=NVIDIA_H200.json").write_text('{"1": {}}')
+    with_trial = cd.tree_digest(tmp_path, device="NVIDIA_H200", config_dirs=str(trial))
+    assert with_trial != cd.tree_digest(tmp_path, device="NVIDIA_H200")
+    (tmp_path / "kernels/rimuru_kernels/configs").mkdir(parents=True)
+    (tmp_path / "kernels/rimuru_kernels/configs/E=60,N=1408,device_name=NVIDIA_H200.json").write_text('{"1": {}}')
+    assert cd.tree_digest(tmp_path, device="NVIDIA_H200") == with_trial
     assert cd.commit_digest("HEAD", ROOT) == cd.tree_digest(ROOT) or subprocess.run(
         ["git", "-C", str(ROOT), "status", "--porcelain", "--", *cd.CODE_DIRS], capture_output=True,
         text=True).stdout.strip()  # a working tree with uncommitted server code differs from HEAD
