@@ -154,6 +154,23 @@ def pipelines_fit(up: dict, down: dict | None, w13: str, shared_bytes: int) -> b
             and (down is None or pipeline_shared_bytes(down, fused=False) <= shared_bytes))
 
 
+def runnable_variants(tokens: list[int], variants: list[tuple[str, str, str]], configs_of,
+                      shared_bytes: int) -> tuple[dict[int, list[tuple[str, str, str]]], list[str]]:
+    """Per token count, the (configs, w13, stages) variants whose tiles run as asked
+    (``pipelines_fit``), and the names of the others. ``configs_of(T, kind, stages)``: the
+    (up, down) launch configs the variant passes, spelled out."""
+    keep, left_out = {}, []
+    for T in tokens:
+        keep[T] = []
+        for kind, w13, st in variants:
+            up, down = configs_of(T, kind, st)
+            if pipelines_fit(up, down, w13, shared_bytes):
+                keep[T].append((kind, w13, st))
+            else:
+                left_out.append(f"T={T} {kind}/{w13}/s{st}")
+    return keep, left_out
+
+
 def anon_huge_kib() -> int:
     for line in open("/proc/meminfo"):
         if line.startswith("AnonHugePages:"):
@@ -315,16 +332,12 @@ def main() -> None:
     variants = [(kind, w13, st) for kind in kinds for w13 in args.w13.split(",")
                 for st in args.stages.split(",") + tiles]
 
-    def fits(T, kind, w13, st) -> bool:
-        up, down = launch_configs(T, kind, st, resolve=True)
-        if pipelines_fit(up, down, w13, shared):
-            return True
-        res.setdefault("skipped", []).append(f"T={T} {kind}/{w13}/s{st}: past {shared} B of shared memory")
-        print(f"T={T}: {kind} configs, {w13} gate/up, stages {st}: left out, its tiles need more than the "
-              f"{shared} B of shared memory a block has, or than the fused kernel plans for", flush=True)
-        return False
-
-    runnable = {T: [v for v in variants if fits(T, *v)] for T in tokens}
+    runnable, left_out = runnable_variants(tokens, variants,
+                                           lambda T, kind, st: launch_configs(T, kind, st, resolve=True), shared)
+    for name in left_out:
+        res.setdefault("skipped", []).append(f"{name}: past the shared memory its tiles may use")
+        print(f"{name}: left out, its tiles need more than the {shared} B of shared memory a block has, "
+              f"or than the fused kernel plans for", flush=True)
     base = {}
 
     def base_for(T, kind="kernel", w13="fused", st="cfg") -> tuple[float, torch.Tensor]:

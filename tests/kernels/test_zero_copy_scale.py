@@ -121,3 +121,22 @@ def test_host_read_table_takes_the_fastest_bit_equal_variant_into_the_nearest_en
     out = subprocess.run([sys.executable, script, str(tmp_path / "slow.json"), "--out-dir", str(tmp_path / "none")],
                          capture_output=True, text=True, check=True).stdout
     assert "no table written" in out and not (tmp_path / "none").exists()
+
+
+def test_the_variants_a_call_runs_are_those_whose_tiles_run_as_asked():
+    """main() times, per token count, only the variants runnable_variants keeps: at 100
+    tokens default.json's entry (BN 128, BK 128, 2 stages) fused runs as it is and with BN 64
+    at 5 stages, not at 3 stages (the kernel would shrink it to 2); unfused, 3 stages run."""
+    m = load()
+    entry = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4,
+             "num_stages": 2}
+
+    def configs_of(T, kind, st):
+        return m.with_stages(dict(entry), None, st)
+
+    variants = [("kernel", w13, st) for w13 in ("fused", "unfused") for st in ("cfg", "3", "64x128x5x4")]
+    keep, left_out = m.runnable_variants([56, 100], variants, configs_of, 227 * 1024)
+    runs = [("kernel", "fused", "cfg"), ("kernel", "fused", "64x128x5x4"), ("kernel", "unfused", "cfg"),
+            ("kernel", "unfused", "3"), ("kernel", "unfused", "64x128x5x4")]
+    assert keep == {56: runs, 100: runs}
+    assert left_out == ["T=56 kernel/fused/s3", "T=100 kernel/fused/s3"]
