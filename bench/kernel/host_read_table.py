@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "kernels"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rimuru_kernels.moe_config import CONFIG_DIR, DEFAULT_CONFIG_FILE, config_file_name  # noqa: E402
-from zero_copy_scale import SHAPES, with_stages  # noqa: E402
+from zero_copy_scale import SHAPES, with_override  # noqa: E402
 
 
 def winners(rows: list[dict], min_gain: float) -> dict[int, dict]:
@@ -63,7 +63,7 @@ def table_with(base: dict[int, dict], picked: dict[int, dict]) -> dict[int, dict
     table = {k: dict(v) for k, v in base.items()}
     for T, w in picked.items():
         key = min(table, key=lambda m: abs(m - T))
-        table[key] = with_stages(table[key], None, w["spec"])[0]
+        table[key] = with_override(table[key], None, w["spec"])[0]
     return table
 
 

@@ -126,7 +126,7 @@ def chunk_ranges(base: int, end: int, first: int, chunk: int) -> list[tuple[int,
 TILES = re.compile(r"^(\d+)x(\d+)x(\d+)x(\d+)$")
 
 
-def with_stages(up: dict, down: dict | None, stages: str) -> tuple[dict, dict | None]:
+def with_override(up: dict, down: dict | None, stages: str) -> tuple[dict, dict | None]:
     """The launch configs as they are (``"cfg"``), with ``num_stages`` set for both GEMMs
     (``stages`` a number), or with BLOCK_SIZE_N, BLOCK_SIZE_K, num_stages and num_warps set
     for both (a ``--tiles`` spec ``NxKxSxW``; BLOCK_SIZE_M and GROUP_SIZE_M stay the table's,
@@ -301,7 +301,7 @@ def main() -> None:
         if up is None and (stages != "cfg" or resolve):  # the kernel's own tables
             dev = torch.device("cuda")
             up, down = get_paged_moe_config(E, I, T, dev), get_paged_moe_down_config(E, I, T, dev)
-        return with_stages(up, down, stages) if up is not None else (up, down)
+        return with_override(up, down, stages) if up is not None else (up, down)
 
     shared = device_shared_bytes(torch.device("cuda"))
     res["shared_bytes"] = shared

@@ -244,7 +244,7 @@ def main() -> None:
         print(f"\ncopy engine (not built): every offloaded expert staged by DMA at {args.copy_gbps:g} GB/s each step, "
               f"overlapped with compute, in two buffers of the largest layer's out set")
         print(f"| tokens a request | best resident | batch | experts moved | staging experts | GB moved a step | "
-              f"copy ms | step ms | decode tok/s bound{vs.split(' | measured')[0]} | over in place |")
+              f"copy ms | step ms | decode tok/s bound{f' | bound / {args.vs:g}' if args.vs else ''} | over in place |")
         print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.vs else ""))
         for r, inplace in zip(res["staged_rows"], res["rows"]):
             extra = f" | {r['tok_s'] / args.vs:.2f}x" if args.vs else ""

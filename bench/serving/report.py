@@ -268,7 +268,7 @@ def plots(results: list[dict], out: Path, step_ms: float | None = None, lens: Pa
         fig.tight_layout()
         # named as bench/results/plots keeps them: one setting at two server codes is two plots,
         # and a run on another GPU than the tables' H200 says so (one setting, code and two GPUs)
-        gpu = "" if gpu_of(r) == "H200" else f"{gpu_of(r)}_"
+        gpu = "" if (name := gpu_of(r)) == "H200" else f"{name}_"
         path = out / f"{r['name']}_split_{gpu}{r.get('code_digest') or 'nocode'}.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)

@@ -466,12 +466,14 @@ def main() -> None:
     result = aggregate(results) if args.phases else results[0]
     # the adjuster trace and the elastic step record beside it, each read once for every figure below
     trace_lines, step_lines = read_jsonl(trace), read_jsonl(Path(step_record_path(str(trace))))
+    # a launch table under trial, read by the server before the kernel's own (code_digest.py counts it)
+    config_dir = os.environ.get("RIMURU_KERNELS_CONFIG_DIR") or None
     res = {
         "name": args.name, "server_args": server_args, "card_gib": args.card_gb, "card_cap": args.card_cap,
         "router_skew": args.skew,
         # the server code this run ran (code_digest.py: the device has no .git to name a commit)
-        "code_digest": tree_digest(device=device_of(gpu["name"]), config_dirs=os.environ.get("RIMURU_KERNELS_CONFIG_DIR")),
-        "kernel_config_dir": os.environ.get("RIMURU_KERNELS_CONFIG_DIR") or None, "model": Path(args.model).name,
+        "code_digest": tree_digest(device=device_of(gpu["name"]), config_dirs=config_dir),
+        "kernel_config_dir": config_dir, "model": Path(args.model).name,
         # a phased run has no one rate (report.py leaves it out of rate plots and traffic floors)
         "gpu": gpu, "fraction": fraction, "rate": None if args.phases else args.rate,
         "num_prompts": num_prompts, "seed": args.seed,

@@ -38,13 +38,13 @@ def test_a_stages_override_past_shared_memory_is_left_out_not_launched():
     up = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4,
           "num_stages": 2}
     hopper = 227 * 1024
-    assert m.with_stages(up, None, "cfg") == (up, None)
-    up3, down3 = m.with_stages(up, dict(up), "3")
+    assert m.with_override(up, None, "cfg") == (up, None)
+    up3, down3 = m.with_override(up, dict(up), "3")
     assert (up3["num_stages"], down3["num_stages"], up["num_stages"]) == (3, 3, 2)  # the table is not touched
     assert m.pipelines_fit(up, None, "fused", hopper)  # 2 x (16*128 + 2*128*128) * 2 B = 136 KiB
     assert not m.pipelines_fit(up3, down3, "fused", hopper)  # 204 KiB: under Hopper's, past the kernel's budget
     assert m.pipelines_fit(up3, down3, "unfused", hopper)  # 3 x (16*128 + 128*128) * 2 B = 108 KiB
-    up4, down4 = m.with_stages(up, dict(up), "4")
+    up4, down4 = m.with_override(up, dict(up), "4")
     assert not m.pipelines_fit(up4, down4, "fused", hopper)  # 272 KiB
     assert m.pipelines_fit(up4, down4, "unfused", hopper)  # 4 x (16*128 + 128*128) * 2 B = 144 KiB
     assert not m.pipelines_fit(up, None, "fused", 99 * 1024)  # an Ada card's block
@@ -54,14 +54,14 @@ def test_a_tiles_spec_sets_the_tile_stages_and_warps_of_both_gemms():
     m = load()
     up = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4,
           "num_stages": 2}
-    got_up, got_down = m.with_stages(up, dict(up), "64x256x3x8")
+    got_up, got_down = m.with_override(up, dict(up), "64x256x3x8")
     want = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 256, "GROUP_SIZE_M": 1, "num_warps": 8,
             "num_stages": 3}
     assert got_up == want and got_down == want and up["BLOCK_SIZE_N"] == 128
     # 3 x (16*256 + 2*256*64) * 2 B = 216 KiB fused: past the kernel's 200 KiB; 2 stages (144 KiB) run
     assert not m.pipelines_fit(got_up, got_down, "fused", 227 * 1024)
-    assert m.pipelines_fit(*m.with_stages(up, dict(up), "64x256x2x8"), "fused", 227 * 1024)
-    assert m.pipelines_fit(*m.with_stages(up, dict(up), "64x128x5x4"), "fused", 227 * 1024)  # 180 KiB
+    assert m.pipelines_fit(*m.with_override(up, dict(up), "64x256x2x8"), "fused", 227 * 1024)
+    assert m.pipelines_fit(*m.with_override(up, dict(up), "64x128x5x4"), "fused", 227 * 1024)  # 180 KiB
     assert m.TILES.match("64x128x4x4") and not m.TILES.match("64x128x4")
 
 
@@ -132,7 +132,7 @@ def test_the_variants_a_call_runs_are_those_whose_tiles_run_as_asked():
              "num_stages": 2}
 
     def configs_of(T, kind, st):
-        return m.with_stages(dict(entry), None, st)
+        return m.with_override(dict(entry), None, st)
 
     variants = [("kernel", w13, st) for w13 in ("fused", "unfused") for st in ("cfg", "3", "64x128x5x4")]
     keep, left_out = m.runnable_variants([56, 100], variants, configs_of, 227 * 1024)
