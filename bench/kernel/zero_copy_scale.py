@@ -22,6 +22,10 @@ layers with the copy engine, moves ~58 GB/s. This separates the suspects:
 - ``copy``: the copy engine moving the same experts (one cudaMemcpyAsync of 9 MiB per
   expert, host slot -> a device staging buffer), eager, as the offload path would.
 
+``--dup D`` gives D tokens each routing (as when many requests decode one token); the
+``reads`` column then counts the kernel's reads of out experts per distinct one, since a
+block of BLOCK_SIZE_M tokens reads its expert whole (``host_reads``).
+
 Rates are expert bytes / (step time - the step with every expert in HBM). The host
 slots hold the experts' real weights, and the last layer's output of every graphed
 variant is checked bit-equal to the all-in-HBM step. Writes JSON; prints a table.
@@ -122,23 +126,43 @@ def chunk_ranges(base: int, end: int, first: int, chunk: int) -> list[tuple[int,
     return list(zip([base] + cuts, cuts + [end]))
 
 
-#: a --tiles spec: BLOCK_SIZE_N x BLOCK_SIZE_K x num_stages x num_warps
-TILES = re.compile(r"^(\d+)x(\d+)x(\d+)x(\d+)$")
+#: a --tiles spec: [BLOCK_SIZE_M x] BLOCK_SIZE_N x BLOCK_SIZE_K x num_stages x num_warps [g GROUP_SIZE_M]
+TILES = re.compile(r"^(?:(\d+)x)?(\d+)x(\d+)x(\d+)x(\d+)(?:g(\d+))?$")
 
 
 def with_override(up: dict, down: dict | None, stages: str) -> tuple[dict, dict | None]:
     """The launch configs as they are (``"cfg"``), with ``num_stages`` set for both GEMMs
     (``stages`` a number), or with BLOCK_SIZE_N, BLOCK_SIZE_K, num_stages and num_warps set
-    for both (a ``--tiles`` spec ``NxKxSxW``; BLOCK_SIZE_M and GROUP_SIZE_M stay the table's,
-    as the token alignment is the table's)."""
+    for both (a ``--tiles`` spec ``NxKxSxW``; BLOCK_SIZE_M and GROUP_SIZE_M stay the table's
+    unless the spec names them: ``MxNxKxSxW``, ``...gG``). BLOCK_SIZE_M is the token
+    alignment both GEMMs share, and how many times an offloaded expert is read a step: once
+    per BLOCK_SIZE_M of the tokens routed to it."""
     if stages == "cfg":
         return up, down
     if m := TILES.match(stages):
-        bn, bk, st, nw = map(int, m.groups())
-        keys = {"BLOCK_SIZE_N": bn, "BLOCK_SIZE_K": bk, "num_stages": st, "num_warps": nw}
+        bm, bn, bk, st, nw, gm = m.groups()
+        keys = {"BLOCK_SIZE_N": int(bn), "BLOCK_SIZE_K": int(bk), "num_stages": int(st), "num_warps": int(nw)}
+        keys.update({k: int(v) for k, v in (("BLOCK_SIZE_M", bm), ("GROUP_SIZE_M", gm)) if v is not None})
     else:
         keys = {"num_stages": int(stages)}
     return {**up, **keys}, None if down is None else {**down, **keys}
+
+
+def shared_routing(w: torch.Tensor, ids: torch.Tensor, dup: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``--dup``: the first ceil(T / dup) tokens' routings (weights, ids), each taken by
+    ``dup`` tokens in a row, T rows in all; ``dup`` 1 returns them as they are."""
+    if dup <= 1:
+        return w, ids
+    T = w.shape[0]
+    return tuple(x[:-(-T // dup)].repeat_interleave(dup, 0)[:T].contiguous() for x in (w, ids))
+
+
+def host_reads(ids: torch.Tensor, out: list[int], block_m: int) -> int:
+    """How many times a layer's step reads its ``out`` experts from host memory: the paged
+    kernel's blocks each take BLOCK_SIZE_M rows of one expert's tokens (``ids``, [T, k]) and
+    read the whole expert, so an expert routed n tokens is read ceil(n / BLOCK_SIZE_M) times."""
+    counts = torch.bincount(ids.reshape(-1).long().cpu(), minlength=max(out, default=0) + 1)
+    return sum(-(-int(counts[e]) // block_m) for e in out)
 
 
 def pipelines_fit(up: dict, down: dict | None, w13: str, shared_bytes: int) -> bool:
@@ -198,9 +222,15 @@ def main() -> None:
     ap.add_argument("--stages", default="cfg",
                     help="compact only, comma separated: num_stages for both GEMMs, or cfg (the config's)")
     ap.add_argument("--tiles", default="",
-                    help="compact only, comma separated NxKxSxW: more variants with BLOCK_SIZE_N, BLOCK_SIZE_K, "
-                         "num_stages and num_warps set for both GEMMs (e.g. 64x128x4x4): a launch config for host "
-                         "reads, apart from the HBM-tuned tables")
+                    help="compact only, comma separated [Mx]NxKxSxW[gG]: more variants with BLOCK_SIZE_N, "
+                         "BLOCK_SIZE_K, num_stages and num_warps (and BLOCK_SIZE_M, GROUP_SIZE_M where given) set "
+                         "for both GEMMs (e.g. 64x128x4x4, 64x128x128x2x4g8): a launch config for host reads, "
+                         "apart from the HBM-tuned tables")
+    ap.add_argument("--dup", type=int, default=1,
+                    help="tokens that share each routing (default 1: every token drawn on its own): T / dup "
+                         "distinct routings, so the experts a step routes to get dup times the tokens each, as "
+                         "when many requests decode the same token (greedy decoding on dummy weights repeats its "
+                         "input token); an offloaded expert is read once per BLOCK_SIZE_M of its tokens")
     ap.add_argument("--host-offsets", default="",
                     help="comma separated byte offsets (even): each adds a spread+N layout, the spread region "
                          "starting N bytes past its 2 MiB boundary (64: the server's host store before 2 MiB "
@@ -233,7 +263,8 @@ def main() -> None:
     res = {"shape": args.shape, "device": torch.cuda.get_device_name(),
            "configs_read": [str(f) for f in config_files(E, I, device_name(torch.device("cuda")))
                             if f is not None],
-           "layers": L, "region_gib": args.region_gib, "blocking_sync": BLOCKING_SYNC, "expert_bytes": EXPERT_BYTES,
+           "layers": L, "dup": args.dup, "region_gib": args.region_gib, "blocking_sync": BLOCKING_SYNC,
+           "expert_bytes": EXPERT_BYTES,
            "thp_enabled": open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
            if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") else None, "rows": []}
     # the copy engine's ceiling: one 1 GiB pinned copy
@@ -251,6 +282,7 @@ def main() -> None:
         routes = []
         for _ in range(L):
             w, ids = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), TOP_K, dim=-1)
+            w, ids = shared_routing(w, ids, args.dup)
             routed = torch.unique(ids.view(-1))
             order = routed[torch.randperm(routed.numel(), generator=g)].tolist()
             routes.append((w.cuda(), ids.to(torch.int32).cuda(), order))
@@ -328,7 +360,8 @@ def main() -> None:
 
     tiles = [t for t in args.tiles.split(",") if t]
     bad = [t for t in tiles if not TILES.match(t)]
-    assert not bad, f"--tiles {bad}: each NxKxSxW (BLOCK_SIZE_N x BLOCK_SIZE_K x num_stages x num_warps)"
+    assert not bad, (f"--tiles {bad}: each [Mx]NxKxSxW[gG] ([BLOCK_SIZE_M x] BLOCK_SIZE_N x BLOCK_SIZE_K x "
+                     "num_stages x num_warps [g GROUP_SIZE_M])")
     variants = [(kind, w13, st) for kind in kinds for w13 in args.w13.split(",")
                 for st in args.stages.split(",") + tiles]
 
@@ -351,7 +384,7 @@ def main() -> None:
     for T in tokens:
         for v in runnable[T]:
             base_for(T, *v)
-    print(f"{'layout':11} {'T':>4} {'k':>3} {'GiB':>6} {'step ms':>8} {'+ms':>8} {'GB/s':>6} equal", flush=True)
+    print(f"{'layout':11} {'T':>4} {'k':>3} {'GiB':>6} {'step ms':>8} {'+ms':>8} {'GB/s':>6} reads equal", flush=True)
 
     def n_out(T: int, k: int) -> int:  # fewer than L x k where a layer routes fewer than k experts
         return sum(min(k, len(order)) for _, _, order in plans[T][1])
@@ -364,11 +397,16 @@ def main() -> None:
         row = dict(layout=layout, configs=kind, out_set=out_set, w13=w13, stages=stages, T=T, k=k, bytes=nbytes, step_ms=ms, base_ms=b, extra_ms=extra,
                    GBps=nbytes / (max(extra, 1e-6) * 1e6), equal=equal)
         row["experts"] = n_out(T, k)
+        row["dup"] = args.dup
+        bm = launch_configs(T, kind, stages, resolve=True)[0]["BLOCK_SIZE_M"]
+        row["host_reads"] = sum(host_reads(ids, out_order(order, out_set)[:k], bm) for _, ids, order in plans[T][1])
         res["rows"].append(row)
         name = "/".join([layout] + [v for v, d in ((kind, "kernel"), (out_set, "random"), (w13, "fused"),
                                                    (f"s{stages}", "scfg")) if v != d])
         print(f"{name:11} {T:4d} {k:3d} {nbytes / 2**30:6.2f} {ms:8.2f} {extra:8.2f} {row['GBps']:6.1f} "
-              f"{'' if equal is None else ('yes' if equal else 'NO')}", flush=True)
+              f"{row['host_reads'] / max(row['experts'], 1):5.2f} "
+              f"{'' if equal is None else ('yes' if equal else 'NO')}",
+              flush=True)
         json.dump(res, open(args.out, "w"), indent=1)
 
     # compact: layer l's j-th out expert reads slot j, for every l: k experts' bytes in all.

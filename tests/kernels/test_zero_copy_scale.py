@@ -63,6 +63,13 @@ def test_a_tiles_spec_sets_the_tile_stages_and_warps_of_both_gemms():
     assert m.pipelines_fit(*m.with_override(up, dict(up), "64x256x2x8"), "fused", 227 * 1024)
     assert m.pipelines_fit(*m.with_override(up, dict(up), "64x128x5x4"), "fused", 227 * 1024)  # 180 KiB
     assert m.TILES.match("64x128x4x4") and not m.TILES.match("64x128x4")
+    # a fifth number in front sets BLOCK_SIZE_M (the token alignment, and how often an
+    # offloaded expert is read: once per BLOCK_SIZE_M of its tokens), gG GROUP_SIZE_M
+    got_up, got_down = m.with_override(up, dict(up), "64x128x128x2x4g8")
+    assert got_up == got_down == {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 8,
+                                  "num_warps": 4, "num_stages": 2}
+    assert m.with_override(up, None, "64x128x2x4g8")[0]["BLOCK_SIZE_M"] == 16
+    assert m.pipelines_fit(got_up, got_down, "fused", 227 * 1024)  # 2 x (64*128 + 2*128*128) * 2 B = 160 KiB
 
 
 def _row(T, k, spec, ms, equal=True, **kw):
@@ -140,3 +147,24 @@ def test_the_variants_a_call_runs_are_those_whose_tiles_run_as_asked():
             ("kernel", "unfused", "3"), ("kernel", "unfused", "64x128x5x4")]
     assert keep == {56: runs, 100: runs}
     assert left_out == ["T=56 kernel/fused/s3", "T=100 kernel/fused/s3"]
+
+
+def test_shared_routing_gives_dup_tokens_each_routing_and_host_reads_counts_a_read_per_block():
+    """--dup D: T tokens take ceil(T / D) routings, D tokens each in a row; an out expert is
+    read once per BLOCK_SIZE_M of the tokens routed to it (the kernel's blocks hold one
+    expert's rows each), and an expert no token routes to is not read."""
+    import torch
+
+    m = load()
+    w = torch.arange(10, dtype=torch.float32).view(5, 2)
+    ids = torch.tensor([[0, 1], [2, 3], [0, 2], [4, 1], [3, 0]], dtype=torch.int32)
+    assert m.shared_routing(w, ids, 1)[1] is ids
+    w2, ids2 = m.shared_routing(w, ids, 2)
+    assert ids2.tolist() == [[0, 1], [0, 1], [2, 3], [2, 3], [0, 2]]
+    assert w2.tolist() == [[0, 1], [0, 1], [2, 3], [2, 3], [4, 5]]
+    # ids2 routes expert 0 three tokens, 1 two, 2 three, 3 two, 4 none
+    assert m.host_reads(ids2, [0, 1, 4], 16) == 2
+    assert m.host_reads(ids2, [0, 1, 2, 3], 2) == 2 + 1 + 2 + 1
+    # every token on one routing: experts 0 and 1 get 5 tokens each, two blocks of 4 apiece
+    assert m.host_reads(m.shared_routing(w, ids, 5)[1], [0, 1], 4) == 4
+    assert m.host_reads(m.shared_routing(w, ids, 5)[1], [0, 1], 16) == 2
