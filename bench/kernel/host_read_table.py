@@ -4,15 +4,16 @@
     python3 bench/kernel/host_read_table.py --tables-from FILE --out-dir kernels/rimuru_kernels/configs
 
 Why: on a GPU without a tuned table the kernel runs ``configs/default.json``, tuned for
-nothing in particular; on the H100 its full-batch decode read Qwen1.5's host pages at ~28
-GB/s where Qwen3's steps read 52 (bench/RESULTS.md, thirty-third session). ``zero_copy_scale.py
+nothing in particular (on the thirty-fourth session's H100s it read Qwen1.5's host pages at the
+link's rate, 52 GB/s, as every tile variant did: bench/RESULTS.md). ``zero_copy_scale.py
 --tiles`` times launch configs on a decode step whose experts are on host pages; this turns
 the fastest into a table the server reads: for each token count T the run measured (the
 ``compact`` rows of the kernel's own configs, fused gate/up, the most experts out), the
 variant with the shortest step, if it beats the table's own (``cfg``) by ``--min-gain`` and its
 output was bit-equal to the all-in-HBM step, replaces the entry of the table's token count
-nearest to T (the entry a batch of T reads): BLOCK_SIZE_M and GROUP_SIZE_M stay the table's
-(the token alignment), the spec's keys are set. Entries no measured T reaches stay as they
+nearest to T (the entry a batch of T reads): the spec's keys are set, BLOCK_SIZE_M and
+GROUP_SIZE_M (the token alignment) only where the spec names them (a spec's BLOCK_SIZE_M also
+sets how often an offloaded expert is read: once per BLOCK_SIZE_M of its tokens). Entries no measured T reaches stay as they
 are. No down table: the down GEMM takes the gate/up config, as the run timed it.
 
 Writes ``E=..,N=..,device_name=<the run's GPU>.json`` into ``--out-dir`` (a folder for
@@ -35,6 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rimuru_kernels.moe_config import CONFIG_DIR, DEFAULT_CONFIG_FILE, config_file_name  # noqa: E402
 from zero_copy_scale import SHAPES, with_override  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench" / "serving"))
+from code_digest import device_of  # noqa: E402
 
 
 def winners(rows: list[dict], min_gain: float) -> dict[int, dict]:
@@ -97,7 +101,7 @@ def main() -> None:
             return
         E, _, I, _ = SHAPES[run["shape"]]
         base = {int(k): v for k, v in json.loads(base_path.read_text()).items()}
-        made = {"file": config_file_name(E, I, run["device"].replace(" ", "_")), "picked": picked,
+        made = {"file": config_file_name(E, I, device_of(run["device"])), "picked": picked,
                 "base": base_path.name, "table": {str(k): v for k, v in sorted(table_with(base, picked).items())}}
         if args.json:
             Path(args.json).write_text(json.dumps(made, indent=1))

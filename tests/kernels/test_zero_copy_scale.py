@@ -107,6 +107,8 @@ def test_host_read_table_takes_the_fastest_bit_equal_variant_into_the_nearest_en
     assert table[128] == {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
                           "num_warps": 4, "num_stages": 4}  # 100 reads the entry of 128
     assert table[64] == base[64] and table[256] == base[256] and base[128]["BLOCK_SIZE_N"] == 128
+    # a spec naming BLOCK_SIZE_M sets the entry's token alignment too (the thirty-fourth session's trial)
+    assert hrt.table_with(base, {100: {"spec": "64x128x128x2x4"}})[128]["BLOCK_SIZE_M"] == 64
 
     # the command: a run on the default table, written where the device returns it, then here
     run = {"shape": "qwen1.5", "device": "NVIDIA H100 80GB HBM3", "rows": rows,
