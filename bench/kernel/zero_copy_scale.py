@@ -398,13 +398,15 @@ def main() -> None:
                    GBps=nbytes / (max(extra, 1e-6) * 1e6), equal=equal)
         row["experts"] = n_out(T, k)
         row["dup"] = args.dup
-        bm = launch_configs(T, kind, stages, resolve=True)[0]["BLOCK_SIZE_M"]
-        row["host_reads"] = sum(host_reads(ids, out_order(order, out_set)[:k], bm) for _, ids, order in plans[T][1])
+        row["host_reads"] = None  # a copy row moves each out expert once, however many tokens it has
+        if layout != "copy":  # the kernel reads one once per BLOCK_SIZE_M of its tokens
+            bm = launch_configs(T, kind, stages, resolve=True)[0]["BLOCK_SIZE_M"]
+            row["host_reads"] = sum(host_reads(ids, out_order(order, out_set)[:k], bm) for _, ids, order in plans[T][1])
         res["rows"].append(row)
         name = "/".join([layout] + [v for v, d in ((kind, "kernel"), (out_set, "random"), (w13, "fused"),
                                                    (f"s{stages}", "scfg")) if v != d])
         print(f"{name:11} {T:4d} {k:3d} {nbytes / 2**30:6.2f} {ms:8.2f} {extra:8.2f} {row['GBps']:6.1f} "
-              f"{row['host_reads'] / max(row['experts'], 1):5.2f} "
+              f"{'' if row['host_reads'] is None else format(row['host_reads'] / max(row['experts'], 1), '.2f'):>5} "
               f"{'' if equal is None else ('yes' if equal else 'NO')}",
               flush=True)
         json.dump(res, open(args.out, "w"), indent=1)

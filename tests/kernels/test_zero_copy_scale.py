@@ -80,8 +80,8 @@ def _row(T, k, spec, ms, equal=True, **kw):
 def test_host_read_table_takes_the_fastest_bit_equal_variant_into_the_nearest_entry(tmp_path):
     """bench/kernel/host_read_table.py: per token count the fastest variant whose output was
     bit-equal replaces the table entry a batch of that size reads, keeping the table's token
-    alignment (BLOCK_SIZE_M, GROUP_SIZE_M); a gain under --min-gain, a variant that was not
-    equal, or another k, change nothing."""
+    alignment (BLOCK_SIZE_M, GROUP_SIZE_M) unless the spec names it; a gain under --min-gain, a
+    variant that was not equal, or another k, change nothing."""
     import json
     import subprocess
     import sys
