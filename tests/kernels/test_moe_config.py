@@ -128,36 +128,6 @@ def test_served_shapes_have_h200_tables(monkeypatch, E, N):
         moe_config.load_down_configs.cache_clear()
 
 
-def test_h100_qwen15_table_reads_offloaded_experts_in_blocks_of_64_from_21_tokens(monkeypatch):
-    """The H100's Qwen1.5-MoE table (thirty-fifth session, bench/RESULTS.md): default.json's tiles
-    except BLOCK_SIZE_M 64 (BN 128, 2 stages) where a decode batch is 21-192 tokens, so an
-    offloaded expert is read once per 64 of its tokens, not per 16; no down table (the down GEMM
-    takes the gate/up config, as it was measured); every tile within the H100's shared memory."""
-    name = "NVIDIA_H100_80GB_HBM3"
-    monkeypatch.delenv("RIMURU_KERNELS_CONFIG_DIR", raising=False)
-    monkeypatch.setattr(moe_config, "device_name", lambda device: name)
-    assert moe_config.config_files(60, 1408, name) == (
-        moe_config.CONFIG_DIR / "E=60,N=1408,device_name=NVIDIA_H100_80GB_HBM3.json", None)
-    default = json.loads((moe_config.CONFIG_DIR / "default.json").read_text())
-    moe_config.load_configs.cache_clear()
-    moe_config.load_down_configs.cache_clear()
-    try:
-        cuda = torch.device("cuda", 0)
-        bm = {m: moe_config.get_paged_moe_config(60, 1408, m, cuda)["BLOCK_SIZE_M"] for m in (1, 20, 21, 100, 192, 193)}
-        assert bm == {1: 16, 20: 16, 21: 64, 100: 64, 192: 64, 193: 32}
-        assert moe_config.get_paged_moe_down_config(60, 1408, 100, cuda) is None
-        assert moe_config.get_paged_moe_config(60, 1408, 100, cuda) == {
-            "BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 2}
-        for m in (1, 8, 2048):  # the entries outside 21-192 are default.json's
-            key = str(min((int(k) for k in default), key=lambda k: abs(k - m)))
-            assert moe_config.get_paged_moe_config(60, 1408, m, cuda) == default[key]
-        assert moe_config.tables_fit(60, 1408, name, 232_448)  # Hopper's opt-in limit
-        assert not moe_config.tables_fit(60, 1408, name, 101_376)  # an Ada card's: auto runs exact there
-    finally:
-        moe_config.load_configs.cache_clear()
-        moe_config.load_down_configs.cache_clear()
-
-
 def test_shape_without_a_table_reads_default_and_no_down_table():
     # Qwen1.5-MoE-A2.7B at TP2 (N=704) has no table: default.json, and the down GEMM takes its config
     assert moe_config.config_files(60, 704, "NVIDIA_H200") == (moe_config.CONFIG_DIR / "default.json", None)
