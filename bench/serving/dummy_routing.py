@@ -1,0 +1,133 @@
+"""Why requests decoding on dummy weights route alike, and what that costs the in-place reads.
+
+    python3 bench/serving/dummy_routing.py --model /tmp/models/q15 \
+        --dataset .devdata/sharegpt_1000_seed1_ctx8192.json.gz [--num 120] [--steps 6] [--out FILE]
+
+Every served benchmark runs ``--load-format dummy``. SGLang's ``initialize_dummy_weights``
+seeds each parameter's generator with the same seed (1234) and fills it uniform in ±1e-3, so
+parameters of one size hold the same values: the embedding and the LM head are one matrix,
+every layer's router is the same, every RMSNorm weight the same. At that scale a layer adds
+~1e-12 to a residual of ~6e-4 (the token's embedding), so a token's hidden state is its
+embedding at every layer: its routing depends on the token alone (and is the same in every
+layer), and so does its greedy successor. Requests whose prompts end in the same token ('.'
+ends 51 of the anchors' first 150) then decode the same tokens and route alike for their whole
+output, which real weights, whose next token depends on the context, do not do.
+
+The paged kernel reads an offloaded expert from host memory once per BLOCK_SIZE_M of its
+tokens (bench/RESULTS.md, thirty-fourth session), so routings shared by many requests cost
+re-reads at BLOCK_SIZE_M 16 that BLOCK_SIZE_M 64 avoids: the thirty-fifth session's served gain
+of BM 64, which random routings do not show. This replays the dummy model's decode on the CPU
+(embedding, final norm, one router: what the routing depends on) for the first ``--num``
+requests of the anchors' traffic, all starting together, and counts per step: distinct tokens,
+the most tokens on one expert, and the host reads of the offloaded experts (``--out-experts``:
+the highest ids, as elastic's trace leaves them at 24 GB) at BM 16 and BM 64; then the same
+for random tokens, as real traffic's diverse contexts would route. CPU only, ~1.3 GB at Qwen1.5's
+vocabulary; needs torch and the model's tokenizer (transformers), no SGLang, no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+
+import torch
+
+SEED, LOW, HIGH = 1234, -1e-3, 1e-3  # SGLang's initialize_dummy_weights defaults
+
+
+def dummy_values(numel: int) -> torch.Tensor:
+    """What SGLang's dummy init puts in any float parameter of ``numel`` elements (fp32, on
+    the CPU generator: the values depend on the size alone, which is what matters here)."""
+    g = torch.Generator().manual_seed(SEED)
+    return torch.empty(numel).uniform_(LOW, HIGH, generator=g)
+
+
+class DummyDecode:
+    """The dummy model's decode as far as routing goes: hidden = RMSNorm(embedding of the
+    token) (eps left out: it scales a token's hidden state by one positive factor, which moves
+    neither a top-k nor an argmax), routing = top-k of the router, next token = argmax of the
+    LM head, which is the embedding."""
+
+    def __init__(self, vocab: int, hidden: int, num_experts: int, top_k: int):
+        self.embed = dummy_values(vocab * hidden).view(vocab, hidden)
+        self.norm = dummy_values(hidden)
+        self.router = dummy_values(num_experts * hidden).view(num_experts, hidden)
+        self.num_experts, self.top_k = num_experts, top_k
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed[tokens]
+        return x * x.pow(2).mean(-1, keepdim=True).rsqrt() * self.norm
+
+    def route(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.topk(self.hidden(tokens) @ self.router.T, self.top_k, dim=-1).indices
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        return (self.hidden(tokens) @ self.embed.T).argmax(-1)
+
+
+def reads(ids: torch.Tensor, out: list[int], block_m: int, num_experts: int) -> int:
+    """Host reads of the ``out`` experts for one layer's routing ``ids`` ([T, k]): an expert
+    routed n tokens is read ceil(n / block_m) times (as zero_copy_scale.host_reads counts)."""
+    counts = torch.bincount(ids.reshape(-1), minlength=num_experts)
+    return sum(-(-int(counts[e]) // block_m) for e in out)
+
+
+def row(model: DummyDecode, tokens: torch.Tensor, out: list[int]) -> dict:
+    ids = model.route(tokens)
+    bm16, bm64 = reads(ids, out, 16, model.num_experts), reads(ids, out, 64, model.num_experts)
+    return {"distinct_tokens": len(set(tokens.tolist())),
+            "max_tokens_on_an_expert": int(torch.bincount(ids.reshape(-1), minlength=model.num_experts).max()),
+            "reads_bm16": bm16, "reads_bm64": bm64, "ratio": round(bm16 / max(bm64, 1), 3)}
+
+
+def replay(model: DummyDecode, first: torch.Tensor, steps: int, out: list[int]) -> list[dict]:
+    """Rows for ``steps`` decode steps of requests whose prompts end in ``first``."""
+    rows, tokens = [], first
+    for _ in range(steps):
+        tokens = model.step(tokens)
+        rows.append(row(model, tokens, out))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="the model folder (config.json and tokenizer)")
+    ap.add_argument("--dataset", required=True, help="the anchors' ShareGPT file (.json or .json.gz)")
+    ap.add_argument("--num", type=int, default=120, help="requests decoding together (a full 24 GB batch)")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--out-experts", type=int, default=17, help="offloaded experts a layer (the highest ids)")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((Path(args.model) / "config.json").read_text())
+    num_experts = cfg.get("num_experts") or cfg["num_local_experts"]
+    model = DummyDecode(cfg["vocab_size"], cfg["hidden_size"], num_experts, cfg["num_experts_per_tok"])
+    tok = AutoTokenizer.from_pretrained(args.model)
+    opener = gzip.open if args.dataset.endswith(".gz") else open
+    with opener(args.dataset, "rt") as f:
+        convs = json.load(f)[: args.num]
+    last = torch.tensor([tok(c["conversations"][0]["value"])["input_ids"][-1] for c in convs])
+    out = list(range(num_experts - args.out_experts, num_experts))
+    served = replay(model, last, args.steps, out)
+    random_rows = replay(model, torch.randint(0, cfg["vocab_size"], (args.num,),
+                                              generator=torch.Generator().manual_seed(0)), args.steps, out)
+    ends = torch.unique(last, return_counts=True)
+    top = sorted(zip(ends[1].tolist(), ends[0].tolist()), reverse=True)[:3]
+    print(f"{args.num} requests, {len(ends[0])} distinct last prompt tokens; most common: "
+          + ", ".join(f"{tok.decode([t])!r} x{n}" for n, t in top))
+    print("| step | tokens | distinct tokens | most tokens on an expert | out-expert reads BM 16 / BM 64 |")
+    print("|---|---|---|---|---|")
+    for name, rows in (("the traffic's prompts", served), ("random tokens", random_rows)):
+        for i, r in enumerate(rows):
+            print(f"| {i + 1} | {name} | {r['distinct_tokens']} | {r['max_tokens_on_an_expert']} | "
+                  f"{r['reads_bm16']} / {r['reads_bm64']} = {r['ratio']}x |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"num": args.num, "out_experts": out, "served": served,
+                                              "random": random_rows, "last_token_counts": top}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
