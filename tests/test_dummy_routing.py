@@ -69,3 +69,7 @@ def test_reads_count_one_per_block_of_an_offloaded_experts_tokens():
     assert dummy_routing.reads(ids, [2, 3], 16, 4) == 1 + 2
     assert dummy_routing.reads(ids, [2, 3], 64, 4) == 1 + 1
     assert dummy_routing.reads(ids, [1], 16, 4) == 0
+    row = dummy_routing.row(dummy_routing.DummyDecode(vocab=64, hidden=32, num_experts=8, top_k=2),
+                            torch.tensor([5, 5, 5, 9]), out=list(range(8)))
+    assert row["distinct_tokens"] == 2 and row["max_tokens_on_an_expert"] >= 3
+    assert row["reads_bm16"] == row["reads_bm64"] == row["out_hit"] <= 4  # two routings: at most 4 experts

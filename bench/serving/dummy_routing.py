@@ -1,7 +1,7 @@
 """Why requests decoding on dummy weights route alike, and what that costs the in-place reads.
 
     python3 bench/serving/dummy_routing.py --model /tmp/models/q15 \
-        --dataset .devdata/sharegpt_1000_seed1_ctx8192.json.gz [--num 120] [--steps 6] [--out FILE]
+        --dataset .devdata/sharegpt_1000_seed1_ctx8192.json.gz [--num 16,35,64,120] [--out-experts 17] [--out FILE]
 
 Every served benchmark runs ``--load-format dummy``. SGLang's ``initialize_dummy_weights``
 seeds each parameter's generator with the same seed (1234) and fills it uniform in ±1e-3, so
@@ -17,12 +17,15 @@ The paged kernel reads an offloaded expert from host memory once per BLOCK_SIZE_
 tokens (bench/RESULTS.md, thirty-fourth session), so routings shared by many requests cost
 re-reads at BLOCK_SIZE_M 16 that BLOCK_SIZE_M 64 avoids: the thirty-fifth session's served gain
 of BM 64, which random routings do not show. This replays the dummy model's decode on the CPU
-(embedding, final norm, one router: what the routing depends on) for the first ``--num``
-requests of the anchors' traffic, all starting together, and counts per step: distinct tokens,
-the most tokens on one expert, and the host reads of the offloaded experts (``--out-experts``:
-the highest ids, as elastic's trace leaves them at 24 GB) at BM 16 and BM 64; then the same
-for random tokens, as real traffic's diverse contexts would route. CPU only, ~1.3 GB at Qwen1.5's
-vocabulary; needs torch and the model's tokenizer (transformers), no SGLang, no GPU.
+(embedding, final norm, one router: what the routing depends on) for the first N requests of
+the anchors' traffic (``--num``: batches), all starting together, and counts over the offloaded
+experts (``--out-experts``: the highest ids, as elastic's trace leaves them at 24 GB) the ones a
+step hits and its reads at BM 16 and BM 64, against N random tokens: independent routings, what
+the cost model's expected reads assume and the closer model of real weights, whose next token
+follows a request's whole context. Shared routings cut both ways: fewer distinct experts hit
+at small batches (fewer reads than real traffic would make), more re-reads at BM 16 at large
+ones. CPU only, ~1.3 GB at Qwen1.5's vocabulary, ~45 s; needs torch and the model's tokenizer
+(transformers), no SGLang, no GPU.
 """
 
 from __future__ import annotations
@@ -75,11 +78,13 @@ def reads(ids: torch.Tensor, out: list[int], block_m: int, num_experts: int) -> 
 
 
 def row(model: DummyDecode, tokens: torch.Tensor, out: list[int]) -> dict:
+    """One step's routing of ``tokens`` counted over the ``out`` experts: distinct ones hit
+    (the reads an unbounded BLOCK_SIZE_M would make), reads at BM 16 and 64."""
     ids = model.route(tokens)
-    bm16, bm64 = reads(ids, out, 16, model.num_experts), reads(ids, out, 64, model.num_experts)
     return {"distinct_tokens": len(set(tokens.tolist())),
             "max_tokens_on_an_expert": int(torch.bincount(ids.reshape(-1), minlength=model.num_experts).max()),
-            "reads_bm16": bm16, "reads_bm64": bm64, "ratio": round(bm16 / max(bm64, 1), 3)}
+            "out_hit": reads(ids, out, 1 << 30, model.num_experts),
+            "reads_bm16": reads(ids, out, 16, model.num_experts), "reads_bm64": reads(ids, out, 64, model.num_experts)}
 
 
 def replay(model: DummyDecode, first: torch.Tensor, steps: int, out: list[int]) -> list[dict]:
@@ -91,13 +96,21 @@ def replay(model: DummyDecode, first: torch.Tensor, steps: int, out: list[int]) 
     return rows
 
 
+def mean_of(rows: list[dict]) -> dict:
+    return {k: round(sum(r[k] for r in rows) / len(rows), 2) for k in rows[0]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="the model folder (config.json and tokenizer)")
     ap.add_argument("--dataset", required=True, help="the anchors' ShareGPT file (.json or .json.gz)")
-    ap.add_argument("--num", type=int, default=120, help="requests decoding together (a full 24 GB batch)")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--out-experts", type=int, default=17, help="offloaded experts a layer (the highest ids)")
+    ap.add_argument("--num", default="16,35,64,120",
+                    help="batches: the first N requests decoding together, comma separated (35: the 32 GB "
+                         "card's at 10 req/s; 120: a full 24 GB batch)")
+    ap.add_argument("--steps", type=int, default=4, help="decode steps averaged (a dummy request's tokens "
+                                                         "cycle with period 1 or 2)")
+    ap.add_argument("--out-experts", type=int, default=17, help="offloaded experts a layer (the highest ids; "
+                                                                "17 of 60: the 24 GB trace's)")
     ap.add_argument("--out")
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -106,27 +119,32 @@ def main() -> None:
     num_experts = cfg.get("num_experts") or cfg["num_local_experts"]
     model = DummyDecode(cfg["vocab_size"], cfg["hidden_size"], num_experts, cfg["num_experts_per_tok"])
     tok = AutoTokenizer.from_pretrained(args.model)
+    nums = [int(n) for n in args.num.split(",")]
     opener = gzip.open if args.dataset.endswith(".gz") else open
     with opener(args.dataset, "rt") as f:
-        convs = json.load(f)[: args.num]
+        convs = json.load(f)[: max(nums)]
     last = torch.tensor([tok(c["conversations"][0]["value"])["input_ids"][-1] for c in convs])
+    rand = torch.randint(0, cfg["vocab_size"], (max(nums),), generator=torch.Generator().manual_seed(0))
     out = list(range(num_experts - args.out_experts, num_experts))
-    served = replay(model, last, args.steps, out)
-    random_rows = replay(model, torch.randint(0, cfg["vocab_size"], (args.num,),
-                                              generator=torch.Generator().manual_seed(0)), args.steps, out)
     ends = torch.unique(last, return_counts=True)
     top = sorted(zip(ends[1].tolist(), ends[0].tolist()), reverse=True)[:3]
-    print(f"{args.num} requests, {len(ends[0])} distinct last prompt tokens; most common: "
-          + ", ".join(f"{tok.decode([t])!r} x{n}" for n, t in top))
-    print("| step | tokens | distinct tokens | most tokens on an expert | out-expert reads BM 16 / BM 64 |")
-    print("|---|---|---|---|---|")
-    for name, rows in (("the traffic's prompts", served), ("random tokens", random_rows)):
-        for i, r in enumerate(rows):
-            print(f"| {i + 1} | {name} | {r['distinct_tokens']} | {r['max_tokens_on_an_expert']} | "
-                  f"{r['reads_bm16']} / {r['reads_bm64']} = {r['ratio']}x |")
+    print(f"first {max(nums)} requests: {len(ends[0])} distinct last prompt tokens; most common: "
+          + ", ".join(f"{tok.decode([t])!r} x{n}" for n, t in top)
+          + f"; {len(out)} of {num_experts} experts a layer offloaded; means over {args.steps} steps")
+    print("| batch | distinct tokens: traffic / random | most tokens on an expert | offloaded experts hit "
+          "| reads at BM 16 | BM 16 / BM 64 reads |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for n in nums:
+        served, random_ = mean_of(replay(model, last[:n], args.steps, out)), mean_of(replay(model, rand[:n], args.steps, out))
+        rows.append({"batch": n, "traffic": served, "random": random_})
+        pair = lambda k: f"{served[k]:g} / {random_[k]:g}"  # noqa: E731
+        print(f"| {n} | {pair('distinct_tokens')} | {pair('max_tokens_on_an_expert')} | {pair('out_hit')} | "
+              f"{pair('reads_bm16')} | {served['reads_bm16'] / served['reads_bm64']:.2f}x / "
+              f"{random_['reads_bm16'] / random_['reads_bm64']:.2f}x |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"num": args.num, "out_experts": out, "served": served,
-                                              "random": random_rows, "last_token_counts": top}, indent=1))
+        Path(args.out).write_text(json.dumps({"out_experts": out, "steps": args.steps, "rows": rows,
+                                              "last_token_counts": top}, indent=1))
 
 
 if __name__ == "__main__":
