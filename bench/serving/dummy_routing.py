@@ -24,8 +24,9 @@ step hits and its reads at BM 16 and BM 64, against N random tokens: independent
 the cost model's expected reads assume and the closer model of real weights, whose next token
 follows a request's whole context. Shared routings cut both ways: fewer distinct experts hit
 at small batches (fewer reads than real traffic would make), more re-reads at BM 16 at large
-ones. CPU only, ~1.3 GB at Qwen1.5's vocabulary, ~45 s; needs torch and the model's tokenizer
-(transformers), no SGLang, no GPU.
+ones. CPU by default (fp32, ~1.3 GB at Qwen1.5's vocabulary, ~45 s; ``--device cuda --dtype
+bfloat16``: the GPU's generator and the served dtype); needs torch and the model's tokenizer
+(transformers), no SGLang.
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ import torch
 SEED, LOW, HIGH = 1234, -1e-3, 1e-3  # SGLang's initialize_dummy_weights defaults
 
 
-def dummy_values(numel: int) -> torch.Tensor:
-    """What SGLang's dummy init puts in any float parameter of ``numel`` elements (fp32, on
-    the CPU generator: the values depend on the size alone, which is what matters here)."""
-    g = torch.Generator().manual_seed(SEED)
-    return torch.empty(numel).uniform_(LOW, HIGH, generator=g)
+def dummy_values(numel: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """What SGLang's dummy init puts in any float parameter of ``numel`` elements of ``dtype``
+    on ``device`` (a generator of that device seeded alike for every parameter, as SGLang's):
+    the values depend on the size alone."""
+    g = torch.Generator(device=device).manual_seed(SEED)
+    return torch.empty(numel, device=device, dtype=dtype).uniform_(LOW, HIGH, generator=g)
 
 
 class DummyDecode:
@@ -53,21 +55,22 @@ class DummyDecode:
     neither a top-k nor an argmax), routing = top-k of the router, next token = argmax of the
     LM head, which is the embedding."""
 
-    def __init__(self, vocab: int, hidden: int, num_experts: int, top_k: int):
-        self.embed = dummy_values(vocab * hidden).view(vocab, hidden)
-        self.norm = dummy_values(hidden)
-        self.router = dummy_values(num_experts * hidden).view(num_experts, hidden)
-        self.num_experts, self.top_k = num_experts, top_k
+    def __init__(self, vocab: int, hidden: int, num_experts: int, top_k: int, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        self.embed = dummy_values(vocab * hidden, device, dtype).view(vocab, hidden)
+        self.norm = dummy_values(hidden, device, dtype)
+        self.router = dummy_values(num_experts * hidden, device, dtype).view(num_experts, hidden)
+        self.num_experts, self.top_k, self.device = num_experts, top_k, device
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed[tokens]
-        return x * x.pow(2).mean(-1, keepdim=True).rsqrt() * self.norm
+        x = self.embed[tokens.to(self.device)].float()  # RMSNorm in fp32, as SGLang's, then the weights' dtype
+        return (x * x.pow(2).mean(-1, keepdim=True).rsqrt() * self.norm.float()).to(self.embed.dtype)
 
     def route(self, tokens: torch.Tensor) -> torch.Tensor:
-        return torch.topk(self.hidden(tokens) @ self.router.T, self.top_k, dim=-1).indices
+        return torch.topk((self.hidden(tokens) @ self.router.T).float(), self.top_k, dim=-1).indices.cpu()
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        return (self.hidden(tokens) @ self.embed.T).argmax(-1)
+        return (self.hidden(tokens) @ self.embed.T).float().argmax(-1).cpu()
 
 
 def reads(ids: torch.Tensor, out: list[int], block_m: int, num_experts: int) -> int:
@@ -111,13 +114,16 @@ def main() -> None:
                                                          "cycle with period 1 or 2)")
     ap.add_argument("--out-experts", type=int, default=17, help="offloaded experts a layer (the highest ids; "
                                                                 "17 of 60: the 24 GB trace's)")
+    ap.add_argument("--device", default="cpu", help="cuda: the GPU's generator and bf16 arithmetic, as served")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--out")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     num_experts = cfg.get("num_experts") or cfg["num_local_experts"]
-    model = DummyDecode(cfg["vocab_size"], cfg["hidden_size"], num_experts, cfg["num_experts_per_tok"])
+    model = DummyDecode(cfg["vocab_size"], cfg["hidden_size"], num_experts, cfg["num_experts_per_tok"],
+                        args.device, getattr(torch, args.dtype))
     tok = AutoTokenizer.from_pretrained(args.model)
     nums = [int(n) for n in args.num.split(",")]
     opener = gzip.open if args.dataset.endswith(".gz") else open
@@ -130,7 +136,8 @@ def main() -> None:
     top = sorted(zip(ends[1].tolist(), ends[0].tolist()), reverse=True)[:3]
     print(f"first {max(nums)} requests: {len(ends[0])} distinct last prompt tokens; most common: "
           + ", ".join(f"{tok.decode([t])!r} x{n}" for n, t in top)
-          + f"; {len(out)} of {num_experts} experts a layer offloaded; means over {args.steps} steps")
+          + f"; {len(out)} of {num_experts} experts a layer offloaded; means over {args.steps} steps; "
+          f"{args.dtype} on {args.device}")
     print("| batch | distinct tokens: traffic / random | most tokens on an expert | offloaded experts hit "
           "| reads at BM 16 | BM 16 / BM 64 reads |")
     print("|---|---|---|---|---|---|")
@@ -143,7 +150,8 @@ def main() -> None:
               f"{pair('reads_bm16')} | {served['reads_bm16'] / served['reads_bm64']:.2f}x / "
               f"{random_['reads_bm16'] / random_['reads_bm64']:.2f}x |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"out_experts": out, "steps": args.steps, "rows": rows,
+        Path(args.out).write_text(json.dumps({"device": args.device, "dtype": args.dtype, "out_experts": out,
+                                              "steps": args.steps, "rows": rows,
                                               "last_token_counts": top}, indent=1))
 
 
