@@ -10,6 +10,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/models
 [ -d /tmp/models/q15 ] || tar xzf .devdata/models.tgz -C /tmp/models
 RATE=${RATE:-10}; NUM=${NUM:-500}; BUDGET=${BUDGET:-300}; SEED=${SEED:-1}  # the light-load anchor: RATE=1 NUM=60 SEED=2
 SKEW=${SKEW:-0}  # > 0: skewed dummy routers (bench/serving/skew); the run names get "-skew"
+# NOISE: 0 to 1, that share of each token's router logits drawn fresh every forward (1: independent
+# routings, where dummy weights route by the token alone: bench/serving/dummy_routing.py); names get "-ind"
+NOISE=${NOISE:-0}
 PHASES=${PHASES:-}  # RATE:NUM,... : phased traffic (bench/serving/phases.py; overrides RATE and NUM; names get "_ph")
 CARD_CAP=${CARD_CAP:-}  # 1: torch's allocator held to the card in every server (run_one.py --card-cap; names get "_cap")
 # EXTRA: more server flags for every run of the call, e.g. EXTRA="--decode-log-interval 10" (SGLang's
@@ -43,13 +46,14 @@ RANK_S=400  # rank's server and its 200 prompts
 one() {  # one NAME CARD_GB MODEL -- FLAGS...
     local name=$1 card=$2 model=$3; shift 4
     [ "$SKEW" != 0 ] && name="$name-skew"
+    [ "$NOISE" != 0 ] && name="$name-ind"
     [ -z "$PHASES" ] && [ "$RATE" != 10 ] && name="${name}_r$RATE"
     [ -n "$PHASES" ] && name="${name}_ph"  # phased traffic: one name per system (report.py's phase table)
     [ -n "$CARD_CAP" ] && name="${name}_cap"  # torch's allocator held to the card (run_one.py --card-cap)
     case " $* " in *" --rimuru-mode "*) [ -n "$RANKING" ] && set -- "$@" --rimuru-expert-ranking "$RANKING" ;; esac
     local start; start=$(start_limit "$name")
     timeout $(( BUDGET + start )) python3 bench/serving/run_one.py --name "$name" --model /tmp/models/$model \
-        --card-gb "$card" --rate "$RATE" --num-prompts "$NUM" --seed "$SEED" --out "$OUT" --budget-s "$BUDGET" --skew "$SKEW" \
+        --card-gb "$card" --rate "$RATE" --num-prompts "$NUM" --seed "$SEED" --out "$OUT" --budget-s "$BUDGET" --skew "$SKEW" --router-noise "$NOISE" \
         ${PHASES:+--phases "$PHASES"} ${CARD_CAP:+--card-cap} \
         --dataset .devdata/sharegpt_1000_seed1_ctx8192.json.gz -- "$@" $EXTRA 2>&1 | grep -av "Warning\|warn(" | tail -3
 }
@@ -59,7 +63,7 @@ one() {  # one NAME CARD_GB MODEL -- FLAGS...
 # reads routing on the host, so no CUDA graphs), elastic32 (+ the paged kernel
 # reading offloaded experts in place from host pages, what lets decode run graphed).
 rank() {  # rank MODEL: the measured ranking of that shape (q15 or q3) under this SKEW
-    local model=$1 out="$OUT/ranking_$1_skew$SKEW.json" fraction; fraction=$(of_gpu 29027)  # the 32 GB card's budget
+    local model=$1 out="$OUT/ranking_$1_skew$SKEW$([ "$NOISE" != 0 ] && echo _ind).json" fraction; fraction=$(of_gpu 29027)  # the 32 GB card's budget
     # routing does not depend on the budget: Qwen3-30B-A3B's 57 GiB need a larger one in mode off
     [ "$model" = q3 ] && fraction=$(of_gpu 86263)  # 0.6 of the H200: at most 0.9 of a smaller GPU
     python3 - > /tmp/rank_prompts.json <<'PY'
@@ -67,7 +71,7 @@ import gzip, json
 convs = json.load(gzip.open(".devdata/sharegpt_1000_seed1_ctx8192.json.gz"))
 print(json.dumps([c["conversations"][0]["value"] for c in convs[:200]]))
 PY
-    PYTHONPATH="$PWD/bench/serving/skew:$PYTHONPATH" RIMURU_BENCH_ROUTER_SKEW=$SKEW RIMURU_BENCH_DEVICE_SITE=1 \
+    PYTHONPATH="$PWD/bench/serving/skew:$PYTHONPATH" RIMURU_BENCH_ROUTER_SKEW=$SKEW RIMURU_BENCH_ROUTER_NOISE=$NOISE RIMURU_BENCH_DEVICE_SITE=1 \
         timeout $RANK_S python3 -m sglang_rimuru.rank --model-path /tmp/models/$model --out "$out" \
         --prompts /tmp/rank_prompts.json --concurrency 32 -- --load-format dummy --mem-fraction-static $fraction \
         --chunked-prefill-size 2048 --attention-backend triton --sampling-backend pytorch --grammar-backend none \

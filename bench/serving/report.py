@@ -323,7 +323,7 @@ def token_plots(results: list[dict], out: Path, plt) -> list[Path]:
     made = []
     for rs in sorted(groups, key=lambda g: str(traffic_of(g[0]))):
         traffic = traffic_of(rs[0])
-        model, card, _, rate, _, num, _, gpu = traffic
+        model, card, rate, num, gpu = traffic.model, traffic.card, traffic.rate, traffic.num, traffic.gpu
         if len(rs) < 2 or rate is None:  # phased traffic has no one rate to name it by
             continue
         fig, ax = plt.subplots(figsize=(8, 4))

@@ -391,6 +391,9 @@ def main() -> None:
     ap.add_argument("--device-flags", default=" ".join(DEVICE_FLAGS))
     ap.add_argument("--skew", type=float, default=0.0,
                     help="skew the dummy routers: bias -s*log(1+rank) per layer (bench/serving/skew)")
+    ap.add_argument("--router-noise", type=float, default=0.0,
+                    help="0 to 1: that share of each token's router logits drawn fresh every forward (1: "
+                         "independent routings; dummy weights route by the token alone: bench/serving/skew)")
     ap.add_argument("--phases", default=None, metavar="RATE:NUM,...",
                     help="phased traffic (bench/serving/phases.py): one bench_serving run per phase against "
                          "the same server, each from its own slice of the dataset; overrides --rate and "
@@ -408,6 +411,8 @@ def main() -> None:
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     num_prompts = sum(n for _, n in phases)
+    if not 0 <= args.router_noise <= 1:
+        raise SystemExit(f"--router-noise {args.router_noise}: the share of fresh draws in each token's logits, 0 to 1")
 
     dataset = Path(args.dataset)
     if dataset.suffix == ".gz":  # bench_serving reads plain JSON
@@ -432,9 +437,10 @@ def main() -> None:
     sampler.start()
     t_launch = time.time()
     env = {}
-    if args.skew > 0:
+    if args.skew > 0 or args.router_noise > 0:
         path = os.environ.get("PYTHONPATH", "")
         env = {"PYTHONPATH": f"{Path(__file__).parent / 'skew'}:{path}", "RIMURU_BENCH_ROUTER_SKEW": str(args.skew),
+               "RIMURU_BENCH_ROUTER_NOISE": str(args.router_noise),
                "RIMURU_BENCH_DEVICE_SITE": "1" if "bench/device/site" in path else "0"}
     if args.card_cap:
         if args.card_gb <= 0:
@@ -470,7 +476,7 @@ def main() -> None:
     config_dir = os.environ.get("RIMURU_KERNELS_CONFIG_DIR") or None
     res = {
         "name": args.name, "server_args": server_args, "card_gib": args.card_gb, "card_cap": args.card_cap,
-        "router_skew": args.skew,
+        "router_skew": args.skew, "router_noise": args.router_noise,
         # the server code this run ran (code_digest.py: the device has no .git to name a commit)
         "code_digest": tree_digest(device=device_of(gpu["name"]), config_dirs=config_dir),
         "kernel_config_dir": config_dir, "model": Path(args.model).name,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 from makespan import FASTEST_STEP_MS, LENS, LENS_SEED, floor, floor_of_run, load_outputs
 from offload_sweep import model_of, offload_gb, sweep
@@ -59,25 +60,41 @@ def gpu_of(r: dict) -> str:
     return m.group(0) if (m := re.search(r"[A-Z]\d{2,3}", name)) else name
 
 
-def traffic_of(r: dict) -> tuple:
+class Traffic(NamedTuple):
+    """What two runs must share to be compared: the requests and their arrival times (model,
+    card, rate or phases, requests, seed), the GPU, and the routing (skewed or not, and the
+    share of fresh draws in each token's router logits: ``--router-noise``)."""
+    model: str
+    card: float
+    skew: bool
+    rate: float | None
+    phases: tuple | None
+    num: int | None
+    seed: int
+    gpu: str
+    noise: float = 0.0
+
+
+def traffic_of(r: dict) -> Traffic:
     phases = tuple((p["rate"], p["num_prompts"]) for p in r.get("phases") or []) or None
-    return (model_of(r), r["card_gib"], bool(r.get("router_skew")), r.get("rate"), phases,
-            r.get("num_prompts"), r.get("seed", 1), gpu_of(r))
+    return Traffic(model_of(r), r["card_gib"], bool(r.get("router_skew")), r.get("rate"), phases,
+                   r.get("num_prompts"), r.get("seed", 1), gpu_of(r), float(r.get("router_noise") or 0.0))
 
 
-def same_requests(a: tuple, b: tuple) -> bool:
+def same_requests(a: Traffic, b: Traffic) -> bool:
     """Two traffics (traffic_of) of the same requests at the same arrival times on one card,
     model and GPU, whatever their routing."""
-    return a[:2] == b[:2] and a[3:] == b[3:]
+    return a._replace(skew=False, noise=0.0) == b._replace(skew=False, noise=0.0)
 
 
-def describe(traffic: tuple, routing: bool = True) -> str:
-    model, card, skew, rate, phases, num, seed, gpu = traffic
-    load = ("phases " + ",".join(f"{p:g}:{n}" for p, n in phases)) if phases else (
-        f"all at once x {num}" if rate == float("inf") else f"{rate:g} req/s x {num}")
-    return (f"{card:g} GB, {'Qwen3-30B-A3B' if model == 'q3' else 'Qwen1.5-MoE'}, "
-            + (f"{'skewed' if skew else 'uniform'}, " if routing else "")
-            + load + (f", seed {seed}" if seed != 1 else "") + (f", on an {gpu}" if gpu != "H200" else ""))
+def describe(traffic: Traffic, routing: bool = True) -> str:
+    t = traffic
+    load = ("phases " + ",".join(f"{p:g}:{n}" for p, n in t.phases)) if t.phases else (
+        f"all at once x {t.num}" if t.rate == float("inf") else f"{t.rate:g} req/s x {t.num}")
+    noise = ("" if not t.noise else " (independent routings)" if t.noise == 1 else f" (router noise {t.noise:g})")
+    return (f"{t.card:g} GB, {'Qwen3-30B-A3B' if t.model == 'q3' else 'Qwen1.5-MoE'}, "
+            + (f"{'skewed' if t.skew else 'uniform'}{noise}, " if routing else "")
+            + load + (f", seed {t.seed}" if t.seed != 1 else "") + (f", on an {t.gpu}" if t.gpu != "H200" else ""))
 
 
 def over_card(r: dict) -> bool:
@@ -210,13 +227,13 @@ def offload_elsewhere(by_traffic: dict, traffic: tuple) -> list[dict]:
     so the same requests under the other routing count as settings of this traffic's sweep;
     where neither routing has one, the same model and card on other traffic stands in
     (flagged by the caller)."""
-    if traffic[4]:  # phased: its idle light phases are in any rate a stopped run's record gives
+    if traffic.phases:  # phased: its idle light phases are in any rate a stopped run's record gives
         return []
     def on(match) -> list[dict]:  # the same model, card and GPU, on traffic that ``match``es
         return [r for other, systems in by_traffic.items()
-                if other[:2] == traffic[:2] and other[-1] == traffic[-1] and match(other)
+                if other[:2] == traffic[:2] and other.gpu == traffic.gpu and match(other)
                 for r in systems.get("offload", [])]
-    return on(lambda other: same_requests(other, traffic)) or on(lambda other: not other[4])
+    return on(lambda other: same_requests(other, traffic)) or on(lambda other: not other.phases)
 
 
 def one_setting(el: dict, base: dict, offload: list[dict], x: float | None, need: float) -> str:

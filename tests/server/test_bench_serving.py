@@ -56,7 +56,7 @@ def test_run_one_and_report_on_cpu(tmp_path, model_dir):
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "bench/serving/run_one.py"), "--name", "elastic_cpu", "--model", model,
            "--card-gb", "0", "--device-flags", "", "--rate", "8", "--num-prompts", "12", "--dataset", str(data),
-           "--context-len", "512", "--out", str(out), "--budget-s", "240", "--",
+           "--context-len", "512", "--out", str(out), "--budget-s", "240", "--router-noise", "1", "--",
            "--rimuru-mode", "elastic", "--rimuru-expert-offload-limit", "4", "--rimuru-pool-gb", f"{POOL_GB:.9f}",
            "--context-length", "512"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -73,6 +73,9 @@ def test_run_one_and_report_on_cpu(tmp_path, model_dir):
     # the server code it ran (the device has no .git: the digest names it), and the model
     assert res["code_digest"] == _serving_module("code_digest").tree_digest(ROOT)  # no GPU: every table
     assert res["model"] == Path(model).name
+    # independent routings (--router-noise 1): the hook is in every server process, graphs or not
+    assert res["router_noise"] == 1.0 and res["router_skew"] == 0.0
+    assert "[bench] router skew 0.0, noise 1.0 installed" in (out / "elastic_cpu.log").read_text()
     # SGLang's bench_serving still prints the line its traffic's start is read from, and the
     # pass record counts from there, not from bench_serving's launch. The step record is
     # written every 256 rounds or 20 s (patches/rimuru_patches/elastic.py), so these 12
@@ -781,6 +784,61 @@ def test_skew_is_independent_of_the_router_logits_scale():
     assert len(set(map(tuple, picks.tolist()))) > 100  # the picks still vary by token
     unskewed = skew.skewed_logits(logits * 1e-5, torch.zeros(60, dtype=torch.float64))
     assert torch.equal(unskewed.topk(4, dim=-1).indices, logits.topk(4, dim=-1).indices)
+
+
+def _skew_module(monkeypatch, noise: str | None = None):
+    import importlib.util
+
+    monkeypatch.delenv("RIMURU_BENCH_ROUTER_SKEW", raising=False)  # no hook installed in this process
+    monkeypatch.setenv("RIMURU_BENCH_ROUTER_NOISE", noise or "0")
+    spec = importlib.util.spec_from_file_location(
+        "rimuru_bench_skew", ROOT / "bench" / "serving" / "skew" / "sitecustomize.py")
+    skew = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(skew)
+    finally:  # a noise above 0 installed the import hook: take it out again
+        import sys as _sys
+        _sys.meta_path[:] = [f for f in _sys.meta_path if type(f).__module__ != "rimuru_bench_skew"]
+    return skew
+
+
+def test_router_noise_routes_each_token_by_its_own_draws(monkeypatch):
+    """On dummy weights a token's router logits are a function of the token, so requests that
+    decode one token share a routing (bench/serving/dummy_routing.py). --router-noise 1 draws
+    each token's standardized logits anew every forward: one token's logits 4,096 times give
+    4,096 routings with the popularity law of the skew table (s = 1: rank 0 ~0.85); without
+    noise they give one."""
+    import torch
+
+    skew = _skew_module(monkeypatch)
+    torch.manual_seed(0)
+    logits = (torch.randn(1, 60) * 1e-5).expand(4096, 60)
+    bias = -1.0 * torch.log1p(torch.arange(60, dtype=torch.float64))
+    shared = skew.skewed_logits(logits, bias).topk(4, dim=-1).indices
+    assert len(set(map(tuple, shared.tolist()))) == 1
+    drawn = skew.skewed_logits(logits, bias, 1.0).topk(4, dim=-1).indices
+    assert len(set(map(tuple, drawn.sort(-1).values.tolist()))) > 1000
+    p = torch.bincount(drawn.flatten(), minlength=60).double() / len(logits)
+    assert 0.80 < p[0] < 0.90 and 0.07 < p[9] < 0.13 and p[59] < 0.01
+    with pytest.raises(SystemExit, match="RIMURU_BENCH_ROUTER_NOISE=2.0: the share of fresh draws"):
+        _skew_module(monkeypatch, "2")
+
+
+def test_independent_routings_pair_only_with_each_other(tmp_path):
+    """A run's --router-noise is part of its traffic: runs under independent routings pair with
+    each other, never with the dummy routers' (whose requests share routings), and the table
+    names them; the requests themselves are the same."""
+    targets = _serving_module("targets")
+    ind = {"router_noise": 1.0}
+    rs = [_run("off32", 32, 1000.0), _run("elastic32", 32, 1050.0),
+          _run("off32-ind", 32, 990.0) | ind, _run("elastic32-ind", 32, 1200.0) | ind]
+    table = targets.targets_table(rs, 3.75, tmp_path / "missing.json")
+    tput = _rows(table, "32 GB Qwen1.5: throughput >= 1.3x plain (skewed), 1.15x (uniform)")
+    assert sorted(_cells(r)[1:4] for r in tput) == [
+        ["32 GB, Qwen1.5-MoE, uniform (independent routings), 10 req/s x 500", "elastic32-ind / off32-ind", "1.21x"],
+        ["32 GB, Qwen1.5-MoE, uniform, 10 req/s x 500", "elastic32 / off32", "1.05x"]]
+    assert targets.same_requests(targets.traffic_of(rs[0]), targets.traffic_of(rs[2]))
+    assert targets.traffic_of(rs[0]) != targets.traffic_of(rs[2])
 
 
 def test_the_per_step_record_is_bucketed_and_set_beside_the_cost_model(tmp_path):

@@ -1,4 +1,4 @@
-"""Benchmarks only: skewed expert routing for dummy-weight models (issue 12).
+"""Benchmarks only: skewed and independent expert routing for dummy-weight models (issue 12).
 
 Random (dummy) weights route almost uniformly: every expert is about as popular
 as every other, so no expert is cheap to offload. Real MoE routers are skewed.
@@ -27,6 +27,17 @@ popularity comes from ``python -m sglang_rimuru.rank`` against the skewed server
 is what the benchmark reports, not this table. The bias is a fixed tensor added on
 the device, so CUDA graphs capture it.
 
+``RIMURU_BENCH_ROUTER_NOISE=n`` (0 < n <= 1; run_one.py ``--router-noise n``) mixes each
+token's standardized logits with fresh N(0, 1) draws every forward, ``sqrt(1 - n^2) z + n eps``,
+before the bias. Why: on SGLang's dummy weights a token's routing is a function of the token
+alone, the same in every layer, and requests whose prompts end in one token decode one token
+sequence, so a batch shares routings that real weights, which continue a request from its whole
+context, would not (``bench/serving/dummy_routing.py``, bench/RESULTS.md thirty-fifth
+session). With n = 1 every token routes by its own draws, as the table above assumes:
+independent routings, the same popularity law. The draws come from torch's default generator
+on the logits' device, which CUDA graphs capture graph-safe (each replay draws anew). At
+TP > 1 each rank draws from its own generator: unverified that the ranks agree.
+
 Not part of the product: it changes the model. It installs itself through an
 import hook when SGLang imports ``sglang.srt.layers.moe.topk`` (after the
 project's own bootstrap), in every process that imports that module.
@@ -42,6 +53,9 @@ import sys
 
 TARGET = "sglang.srt.layers.moe.topk"
 SKEW = float(os.environ.get("RIMURU_BENCH_ROUTER_SKEW", "0") or 0)
+NOISE = float(os.environ.get("RIMURU_BENCH_ROUTER_NOISE", "0") or 0)
+if not 0 <= NOISE <= 1:
+    raise SystemExit(f"RIMURU_BENCH_ROUTER_NOISE={NOISE}: the share of fresh draws in each token's logits, 0 to 1")
 
 
 def _bias(layer_id: int, num_experts: int, device, dtype):
@@ -53,11 +67,16 @@ def _bias(layer_id: int, num_experts: int, device, dtype):
     return (-SKEW * torch.log1p(rank.double())).to(device=device, dtype=dtype)
 
 
-def skewed_logits(router_logits, bias):
-    """The router logits standardized per token (over the experts), plus ``bias``,
-    in the logits' dtype. Elementwise and reductions only: graph-capturable."""
+def skewed_logits(router_logits, bias, noise: float = 0.0):
+    """The router logits standardized per token (over the experts), mixed with ``noise`` of
+    fresh N(0, 1) draws, plus ``bias``, in the logits' dtype. Elementwise, reductions and
+    the default generator's draws only: graph-capturable."""
+    import torch
+
     z = router_logits.float()
     z = (z - z.mean(dim=-1, keepdim=True)) / (z.std(dim=-1, keepdim=True) + 1e-12)
+    if noise > 0:
+        z = math.sqrt(1.0 - noise * noise) * z + noise * torch.randn_like(z)
     return (z + bias.float()).to(router_logits.dtype)
 
 
@@ -71,10 +90,11 @@ def _patch(module) -> None:
             layer = self.layer_id if self.layer_id is not None else 0
             bias = _bias(layer, router_logits.shape[-1], router_logits.device, router_logits.dtype)
             self._rimuru_bench_bias = bias
-        return original(self, hidden_states, skewed_logits(router_logits, bias), *args, **kwargs)
+        return original(self, hidden_states, skewed_logits(router_logits, bias, NOISE), *args, **kwargs)
 
     topk_cls.forward = forward
-    print(f"[bench] router skew {SKEW} installed (pid {os.getpid()}): standardized logits, bias -s*log(1+rank) per layer",
+    print(f"[bench] router skew {SKEW}, noise {NOISE} installed (pid {os.getpid()}): standardized logits"
+          + (f", {NOISE} of fresh draws" if NOISE else "") + ", bias -s*log(1+rank) per layer",
           file=sys.stderr, flush=True)
 
 
@@ -102,7 +122,7 @@ class _Hook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         _patch(module)
 
 
-if SKEW > 0 and math.isfinite(SKEW):
+if (SKEW > 0 and math.isfinite(SKEW)) or NOISE > 0:
     sys.meta_path.insert(0, _Hook())
 # the device machine's own quirks (transformers registration) still apply there
 _device_site = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
