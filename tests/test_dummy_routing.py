@@ -59,8 +59,25 @@ def test_requests_ending_in_one_token_decode_and_route_alike():
         ids = model.route(tokens)
         assert tokens[0] == tokens[2] == tokens[3] and tokens[1] == tokens[4]
         assert torch.equal(ids[0], ids[2]) and torch.equal(ids[0], ids[3]) and torch.equal(ids[1], ids[4])
-    rows = dummy_routing.replay(model, first, 3, out=[6, 7])
+    rows = dummy_routing.replay(model, first, 3, out_experts=2)
     assert len(rows) == 3 and all(r["distinct_tokens"] <= 3 for r in rows)
+    assert model.out_set(0, 2) == [6, 7]  # the dummy routers: the highest ids, as the 24 GB trace
+
+
+def test_skewed_routers_route_each_layer_by_its_bias_and_offload_its_coldest():
+    """--skew: the benchmark's skewed routers (bench/serving/skew), so layers differ and each
+    layer's offloaded experts are its coldest; one token still routes alike in every request."""
+    model = dummy_routing.DummyDecode(vocab=64, hidden=32, num_experts=8, top_k=2, skew=2.0, layers=2)
+    assert model.layers == [0, 1]
+    for layer in (0, 1):
+        bias = model.bias(layer)
+        assert model.out_set(layer, 3) == sorted(torch.argsort(bias)[:3].tolist())
+    assert model.out_set(0, 3) != model.out_set(1, 3)
+    tokens = torch.tensor([7, 7, 30])
+    ids = model.route(tokens, 1)
+    assert torch.equal(ids[0], ids[1])
+    row = dummy_routing.row(model, tokens, 3)
+    assert row["distinct_tokens"] == 2 and row["out_hit"] <= 3
 
 
 def test_reads_count_one_per_block_of_an_offloaded_experts_tokens():
@@ -70,6 +87,6 @@ def test_reads_count_one_per_block_of_an_offloaded_experts_tokens():
     assert dummy_routing.reads(ids, [2, 3], 64, 4) == 1 + 1
     assert dummy_routing.reads(ids, [1], 16, 4) == 0
     row = dummy_routing.row(dummy_routing.DummyDecode(vocab=64, hidden=32, num_experts=8, top_k=2),
-                            torch.tensor([5, 5, 5, 9]), out=list(range(8)))
+                            torch.tensor([5, 5, 5, 9]), out_experts=8)
     assert row["distinct_tokens"] == 2 and row["max_tokens_on_an_expert"] >= 3
     assert row["reads_bm16"] == row["reads_bm64"] == row["out_hit"] <= 4  # two routings: at most 4 experts

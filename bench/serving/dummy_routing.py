@@ -49,25 +49,59 @@ def dummy_values(numel: int, device: str = "cpu", dtype: torch.dtype = torch.flo
     return torch.empty(numel, device=device, dtype=dtype).uniform_(LOW, HIGH, generator=g)
 
 
+def skew_law(skew: float):
+    """``bench/serving/skew``'s standardization and per-layer bias at ``skew`` (its module,
+    loaded here without its import hook: this process serves nothing)."""
+    import importlib.util
+    import os
+
+    for var in ("RIMURU_BENCH_ROUTER_SKEW", "RIMURU_BENCH_ROUTER_NOISE"):
+        os.environ[var] = "0"  # the module installs its hook where these are set
+    spec = importlib.util.spec_from_file_location("rimuru_bench_skew_law", Path(__file__).parent / "skew" / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.SKEW = skew  # what _bias reads
+    return module
+
+
 class DummyDecode:
     """The dummy model's decode as far as routing goes: hidden = RMSNorm(embedding of the
     token) (eps left out: it scales a token's hidden state by one positive factor, which moves
     neither a top-k nor an argmax), routing = top-k of the router, next token = argmax of the
-    LM head, which is the embedding."""
+    LM head, which is the embedding. With ``skew`` the benchmark's skewed routers
+    (``bench/serving/skew``): the logits standardized, then each layer's bias, so layers differ
+    (``layers`` of them are counted); without, every layer routes as the first."""
 
     def __init__(self, vocab: int, hidden: int, num_experts: int, top_k: int, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, skew: float = 0.0, layers: int = 4):
         self.embed = dummy_values(vocab * hidden, device, dtype).view(vocab, hidden)
         self.norm = dummy_values(hidden, device, dtype)
         self.router = dummy_values(num_experts * hidden, device, dtype).view(num_experts, hidden)
         self.num_experts, self.top_k, self.device = num_experts, top_k, device
+        self.law = skew_law(skew) if skew > 0 else None
+        self.layers = list(range(layers)) if self.law else [0]
+
+    def bias(self, layer: int) -> torch.Tensor | None:
+        return None if self.law is None else self.law._bias(layer, self.num_experts, "cpu", torch.float32)
+
+    def out_set(self, layer: int, count: int) -> list[int]:
+        """The ``count`` experts of ``layer`` elastic would hold on the host: under skew the
+        coldest by the layer's bias (what a ranking of this routing keeps out), else the highest
+        ids (what the 24 GB trace shows without a ranking)."""
+        bias = self.bias(layer)
+        if bias is None:
+            return list(range(self.num_experts - count, self.num_experts))
+        return sorted(torch.argsort(bias)[:count].tolist())
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed[tokens.to(self.device)].float()  # RMSNorm in fp32, as SGLang's, then the weights' dtype
         return (x * x.pow(2).mean(-1, keepdim=True).rsqrt() * self.norm.float()).to(self.embed.dtype)
 
-    def route(self, tokens: torch.Tensor) -> torch.Tensor:
-        return torch.topk((self.hidden(tokens) @ self.router.T).float(), self.top_k, dim=-1).indices.cpu()
+    def route(self, tokens: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        logits = (self.hidden(tokens) @ self.router.T).float().cpu()
+        if self.law is not None:
+            logits = self.law.skewed_logits(logits, self.bias(layer))
+        return torch.topk(logits, self.top_k, dim=-1).indices
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         return (self.hidden(tokens) @ self.embed.T).float().argmax(-1).cpu()
@@ -80,22 +114,25 @@ def reads(ids: torch.Tensor, out: list[int], block_m: int, num_experts: int) -> 
     return sum(-(-int(counts[e]) // block_m) for e in out)
 
 
-def row(model: DummyDecode, tokens: torch.Tensor, out: list[int]) -> dict:
-    """One step's routing of ``tokens`` counted over the ``out`` experts: distinct ones hit
-    (the reads an unbounded BLOCK_SIZE_M would make), reads at BM 16 and 64."""
-    ids = model.route(tokens)
-    return {"distinct_tokens": len(set(tokens.tolist())),
-            "max_tokens_on_an_expert": int(torch.bincount(ids.reshape(-1), minlength=model.num_experts).max()),
-            "out_hit": reads(ids, out, 1 << 30, model.num_experts),
-            "reads_bm16": reads(ids, out, 16, model.num_experts), "reads_bm64": reads(ids, out, 64, model.num_experts)}
+def row(model: DummyDecode, tokens: torch.Tensor, out_experts: int) -> dict:
+    """One step's routing of ``tokens`` counted, a layer's mean, over each layer's
+    ``out_experts`` offloaded ones: distinct ones hit (the reads an unbounded BLOCK_SIZE_M
+    would make), reads at BM 16 and 64."""
+    counts = {"out_hit": 0, "reads_bm16": 0, "reads_bm64": 0, "max_tokens_on_an_expert": 0}
+    for layer in model.layers:
+        ids, out = model.route(tokens, layer), model.out_set(layer, out_experts)
+        for key, bm in (("out_hit", 1 << 30), ("reads_bm16", 16), ("reads_bm64", 64)):
+            counts[key] += reads(ids, out, bm, model.num_experts)
+        counts["max_tokens_on_an_expert"] += int(torch.bincount(ids.reshape(-1), minlength=model.num_experts).max())
+    return {"distinct_tokens": len(set(tokens.tolist())), **{k: v / len(model.layers) for k, v in counts.items()}}
 
 
-def replay(model: DummyDecode, first: torch.Tensor, steps: int, out: list[int]) -> list[dict]:
+def replay(model: DummyDecode, first: torch.Tensor, steps: int, out_experts: int) -> list[dict]:
     """Rows for ``steps`` decode steps of requests whose prompts end in ``first``."""
     rows, tokens = [], first
     for _ in range(steps):
         tokens = model.step(tokens)
-        rows.append(row(model, tokens, out))
+        rows.append(row(model, tokens, out_experts))
     return rows
 
 
@@ -114,6 +151,10 @@ def main() -> None:
                                                          "cycle with period 1 or 2)")
     ap.add_argument("--out-experts", type=int, default=17, help="offloaded experts a layer (the highest ids; "
                                                                 "17 of 60: the 24 GB trace's)")
+    ap.add_argument("--skew", type=float, default=0.0,
+                    help="the benchmark's skewed routers at this s (bench/serving/skew); the offloaded "
+                         "experts are then each layer's coldest")
+    ap.add_argument("--layers", type=int, default=24, help="with --skew: the layers counted (each its own bias)")
     ap.add_argument("--device", default="cpu", help="cuda: the GPU's generator and bf16 arithmetic, as served")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--out")
@@ -123,7 +164,8 @@ def main() -> None:
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     num_experts = cfg.get("num_experts") or cfg["num_local_experts"]
     model = DummyDecode(cfg["vocab_size"], cfg["hidden_size"], num_experts, cfg["num_experts_per_tok"],
-                        args.device, getattr(torch, args.dtype))
+                        args.device, getattr(torch, args.dtype), skew=args.skew,
+                        layers=args.layers)
     tok = AutoTokenizer.from_pretrained(args.model)
     nums = [int(n) for n in args.num.split(",")]
     opener = gzip.open if args.dataset.endswith(".gz") else open
@@ -131,26 +173,29 @@ def main() -> None:
         convs = json.load(f)[: max(nums)]
     last = torch.tensor([tok(c["conversations"][0]["value"])["input_ids"][-1] for c in convs])
     rand = torch.randint(0, cfg["vocab_size"], (max(nums),), generator=torch.Generator().manual_seed(0))
-    out = list(range(num_experts - args.out_experts, num_experts))
     ends = torch.unique(last, return_counts=True)
     top = sorted(zip(ends[1].tolist(), ends[0].tolist()), reverse=True)[:3]
     print(f"first {max(nums)} requests: {len(ends[0])} distinct last prompt tokens; most common: "
           + ", ".join(f"{tok.decode([t])!r} x{n}" for n, t in top)
-          + f"; {len(out)} of {num_experts} experts a layer offloaded; means over {args.steps} steps; "
+          + f"; {args.out_experts} of {num_experts} experts a layer offloaded"
+          + (f" (each layer's coldest, skew {args.skew:g}, {len(model.layers)} layers)" if args.skew else "")
+          + f"; means over {args.steps} steps; "
           f"{args.dtype} on {args.device}")
     print("| batch | distinct tokens: traffic / random | most tokens on an expert | offloaded experts hit "
           "| reads at BM 16 | BM 16 / BM 64 reads |")
     print("|---|---|---|---|---|---|")
     rows = []
     for n in nums:
-        served, random_ = mean_of(replay(model, last[:n], args.steps, out)), mean_of(replay(model, rand[:n], args.steps, out))
+        served = mean_of(replay(model, last[:n], args.steps, args.out_experts))
+        random_ = mean_of(replay(model, rand[:n], args.steps, args.out_experts))
         rows.append({"batch": n, "traffic": served, "random": random_})
         pair = lambda k: f"{served[k]:g} / {random_[k]:g}"  # noqa: E731
         print(f"| {n} | {pair('distinct_tokens')} | {pair('max_tokens_on_an_expert')} | {pair('out_hit')} | "
               f"{pair('reads_bm16')} | {served['reads_bm16'] / served['reads_bm64']:.2f}x / "
               f"{random_['reads_bm16'] / random_['reads_bm64']:.2f}x |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"device": args.device, "dtype": args.dtype, "out_experts": out,
+        Path(args.out).write_text(json.dumps({"device": args.device, "dtype": args.dtype, "skew": args.skew,
+                                              "out_experts": args.out_experts,
                                               "steps": args.steps, "rows": rows,
                                               "last_token_counts": top}, indent=1))
 
