@@ -1,7 +1,8 @@
 """Why requests decoding on dummy weights route alike, and what that costs the in-place reads.
 
     python3 bench/serving/dummy_routing.py --model /tmp/models/q15 \
-        --dataset .devdata/sharegpt_1000_seed1_ctx8192.json.gz [--num 16,35,64,120] [--out-experts 17] [--out FILE]
+        --dataset .devdata/sharegpt_1000_seed1_ctx8192.json.gz [--num 16,35,64,120] [--out-experts 17] \
+        [--skew 1 [--layers 24]] [--device cuda --dtype bfloat16] [--out FILE]
 
 Every served benchmark runs ``--load-format dummy``. SGLang's ``initialize_dummy_weights``
 seeds each parameter's generator with the same seed (1234) and fills it uniform in ±1e-3, so
@@ -19,8 +20,9 @@ re-reads at BLOCK_SIZE_M 16 that BLOCK_SIZE_M 64 avoids: the thirty-fifth sessio
 of BM 64, which random routings do not show. This replays the dummy model's decode on the CPU
 (embedding, final norm, one router: what the routing depends on) for the first N requests of
 the anchors' traffic (``--num``: batches), all starting together, and counts over the offloaded
-experts (``--out-experts``: the highest ids, as elastic's trace leaves them at 24 GB) the ones a
-step hits and its reads at BM 16 and BM 64, against N random tokens: independent routings, what
+experts (``--out-experts``: the highest ids, as elastic's trace leaves them at 24 GB; with
+``--skew s``, the benchmark's skewed routers, each layer's coldest) the ones a step hits and its
+reads at BM 16 and BM 64, a layer's mean, against N random tokens: independent routings, what
 the cost model's expected reads assume and the closer model of real weights, whose next token
 follows a request's whole context. Shared routings cut both ways: fewer distinct experts hit
 at small batches (fewer reads than real traffic would make), more re-reads at BM 16 at large
