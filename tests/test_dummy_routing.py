@@ -83,9 +83,9 @@ def test_skewed_routers_route_each_layer_by_its_bias_and_offload_its_coldest():
 def test_reads_count_one_per_block_of_an_offloaded_experts_tokens():
     # expert 3: 20 tokens, expert 2: 5, expert 1: 0; only 2 and 3 are offloaded
     ids = torch.tensor([[3, 0]] * 20 + [[2, 0]] * 5)
-    assert dummy_routing.reads(ids, [2, 3], 16, 4) == 1 + 2
-    assert dummy_routing.reads(ids, [2, 3], 64, 4) == 1 + 1
-    assert dummy_routing.reads(ids, [1], 16, 4) == 0
+    assert dummy_routing.host_reads(ids, [2, 3], 16) == 1 + 2
+    assert dummy_routing.host_reads(ids, [2, 3], 64) == 1 + 1
+    assert dummy_routing.host_reads(ids, [1], 16) == 0
     row = dummy_routing.row(dummy_routing.DummyDecode(vocab=64, hidden=32, num_experts=8, top_k=2),
                             torch.tensor([5, 5, 5, 9]), out_experts=8)
     assert row["distinct_tokens"] == 2 and row["max_tokens_on_an_expert"] >= 3

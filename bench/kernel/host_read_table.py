@@ -13,8 +13,8 @@ variant with the shortest step, if it beats the table's own (``cfg``) by ``--min
 output was bit-equal to the all-in-HBM step, replaces the entry of the table's token count
 nearest to T (the entry a batch of T reads): the spec's keys are set, BLOCK_SIZE_M and
 GROUP_SIZE_M (the token alignment) only where the spec names them (a spec's BLOCK_SIZE_M also
-sets how often an offloaded expert is read: once per BLOCK_SIZE_M of its tokens). Entries no measured T reaches stay as they
-are. No down table: the down GEMM takes the gate/up config, as the run timed it.
+sets how often an offloaded expert is read: once per BLOCK_SIZE_M of its tokens). Entries no
+measured T reaches stay as they are. No down table: the down GEMM takes the gate/up config, as the run timed it.
 
 Writes ``E=..,N=..,device_name=<the run's GPU>.json`` into ``--out-dir`` (a folder for
 ``RIMURU_KERNELS_CONFIG_DIR``, which ``code_digest.py`` counts as the server's code, or the

@@ -27,8 +27,8 @@ the cost model's expected reads assume and the closer model of real weights, who
 follows a request's whole context. Shared routings cut both ways: fewer distinct experts hit
 at small batches (fewer reads than real traffic would make), more re-reads at BM 16 at large
 ones. CPU by default (fp32, ~1.3 GB at Qwen1.5's vocabulary, ~45 s; ``--device cuda --dtype
-bfloat16``: the GPU's generator and the served dtype); needs torch and the model's tokenizer
-(transformers), no SGLang.
+bfloat16``: the GPU's generator and the served dtype); needs torch, the model's tokenizer
+(transformers) and the kernel package (``zero_copy_scale.host_reads`` counts the reads), no SGLang.
 """
 
 from __future__ import annotations
@@ -36,9 +36,13 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernel"))
+from zero_copy_scale import host_reads  # noqa: E402  (an expert routed n tokens: ceil(n / BLOCK_SIZE_M) reads)
 
 SEED, LOW, HIGH = 1234, -1e-3, 1e-3  # SGLang's initialize_dummy_weights defaults
 
@@ -57,11 +61,15 @@ def skew_law(skew: float):
     import importlib.util
     import os
 
-    for var in ("RIMURU_BENCH_ROUTER_SKEW", "RIMURU_BENCH_ROUTER_NOISE"):
-        os.environ[var] = "0"  # the module installs its hook where these are set
-    spec = importlib.util.spec_from_file_location("rimuru_bench_skew_law", Path(__file__).parent / "skew" / "sitecustomize.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # the module installs its hook where these are set: unset while it loads, then as they were
+    saved = {var: os.environ.pop(var, None) for var in ("RIMURU_BENCH_ROUTER_SKEW", "RIMURU_BENCH_ROUTER_NOISE")}
+    try:
+        spec = importlib.util.spec_from_file_location("rimuru_bench_skew_law",
+                                                      Path(__file__).parent / "skew" / "sitecustomize.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        os.environ.update({var: value for var, value in saved.items() if value is not None})
     module.SKEW = skew  # what _bias reads
     return module
 
@@ -109,13 +117,6 @@ class DummyDecode:
         return (self.hidden(tokens) @ self.embed.T).float().argmax(-1).cpu()
 
 
-def reads(ids: torch.Tensor, out: list[int], block_m: int, num_experts: int) -> int:
-    """Host reads of the ``out`` experts for one layer's routing ``ids`` ([T, k]): an expert
-    routed n tokens is read ceil(n / block_m) times (as zero_copy_scale.host_reads counts)."""
-    counts = torch.bincount(ids.reshape(-1), minlength=num_experts)
-    return sum(-(-int(counts[e]) // block_m) for e in out)
-
-
 def row(model: DummyDecode, tokens: torch.Tensor, out_experts: int) -> dict:
     """One step's routing of ``tokens`` counted, a layer's mean, over each layer's
     ``out_experts`` offloaded ones: distinct ones hit (the reads an unbounded BLOCK_SIZE_M
@@ -124,7 +125,7 @@ def row(model: DummyDecode, tokens: torch.Tensor, out_experts: int) -> dict:
     for layer in model.layers:
         ids, out = model.route(tokens, layer), model.out_set(layer, out_experts)
         for key, bm in (("out_hit", 1 << 30), ("reads_bm16", 16), ("reads_bm64", 64)):
-            counts[key] += reads(ids, out, bm, model.num_experts)
+            counts[key] += host_reads(ids, out, bm)
         counts["max_tokens_on_an_expert"] += int(torch.bincount(ids.reshape(-1), minlength=model.num_experts).max())
     return {"distinct_tokens": len(set(tokens.tolist())), **{k: v / len(model.layers) for k, v in counts.items()}}
 

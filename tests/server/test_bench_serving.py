@@ -758,19 +758,31 @@ def test_the_code_digest_covers_the_servers_code_only(tmp_path):
         text=True).stdout.strip()  # a working tree with uncommitted server code differs from HEAD
 
 
-def test_skew_is_independent_of_the_router_logits_scale():
+def _skew_module(monkeypatch, noise: str | None = None):
+    """bench/serving/skew's module, loaded here under RIMURU_BENCH_ROUTER_NOISE=noise and
+    without leaving its import hook in this process."""
+    import importlib.util
+
+    monkeypatch.delenv("RIMURU_BENCH_ROUTER_SKEW", raising=False)  # no hook installed in this process
+    monkeypatch.setenv("RIMURU_BENCH_ROUTER_NOISE", noise or "0")
+    spec = importlib.util.spec_from_file_location(
+        "rimuru_bench_skew", ROOT / "bench" / "serving" / "skew" / "sitecustomize.py")
+    skew = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(skew)
+    finally:  # a noise above 0 installed the import hook: take it out again
+        sys.meta_path[:] = [f for f in sys.meta_path if type(f).__module__ != "rimuru_bench_skew"]
+    return skew
+
+
+def test_skew_is_independent_of_the_router_logits_scale(monkeypatch):
     """The benchmark's skewed routing standardizes each token's logits before the bias:
     dummy weights give logits of ~1e-5, and an unstandardized bias of s = 2 sent every
     token of the Qwen1.5 shape to the same 4 experts (H200). The picks must not depend
     on the logits' scale, and must still vary with the token."""
-    import importlib.util
-
     import torch
 
-    spec = importlib.util.spec_from_file_location(
-        "rimuru_bench_skew", ROOT / "bench" / "serving" / "skew" / "sitecustomize.py")
-    skew = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(skew)  # no RIMURU_BENCH_ROUTER_SKEW here: no hook installed
+    skew = _skew_module(monkeypatch)  # no RIMURU_BENCH_ROUTER_SKEW here: no hook installed
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4096, 60, generator=g)
     bias = -1.0 * torch.log1p(torch.arange(60, dtype=torch.float64))
@@ -784,22 +796,6 @@ def test_skew_is_independent_of_the_router_logits_scale():
     assert len(set(map(tuple, picks.tolist()))) > 100  # the picks still vary by token
     unskewed = skew.skewed_logits(logits * 1e-5, torch.zeros(60, dtype=torch.float64))
     assert torch.equal(unskewed.topk(4, dim=-1).indices, logits.topk(4, dim=-1).indices)
-
-
-def _skew_module(monkeypatch, noise: str | None = None):
-    import importlib.util
-
-    monkeypatch.delenv("RIMURU_BENCH_ROUTER_SKEW", raising=False)  # no hook installed in this process
-    monkeypatch.setenv("RIMURU_BENCH_ROUTER_NOISE", noise or "0")
-    spec = importlib.util.spec_from_file_location(
-        "rimuru_bench_skew", ROOT / "bench" / "serving" / "skew" / "sitecustomize.py")
-    skew = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(skew)
-    finally:  # a noise above 0 installed the import hook: take it out again
-        import sys as _sys
-        _sys.meta_path[:] = [f for f in _sys.meta_path if type(f).__module__ != "rimuru_bench_skew"]
-    return skew
 
 
 def test_router_noise_routes_each_token_by_its_own_draws(monkeypatch):
