@@ -19,7 +19,9 @@ ablation row sets static (pool only), it (+ adjuster) and elastic (+ paged kerne
 side against plain. Against SGLang's offload settings that stopped, the pair is taken over the
 same first seconds of the traffic where both runs have a timeline (``window.py``,
 ``offload_pair``), with the setting's fastest decode line beside. Each GPU's runs pair only
-with each other (``gpu_of``).
+with each other (``gpu_of``). Where plain SGLang stopped on its traffic's last request
+decoding alone and the elastic run finished, its whole-traffic throughput is bounded from
+that request's remaining output (``lone_tail_ceiling``), which bounds the ratio from below.
 
 The last lines say which server code each run ran (``code_digest.py``): the issue wants
 its tables from runs at one commit, which one digest across the runs shows. A run from
@@ -29,6 +31,7 @@ before the digest existed shows the digest of the commit its folder or name reco
 
 from __future__ import annotations
 
+import json
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -154,6 +157,49 @@ def ceiling_text(r: dict, f) -> str:
     """whole_run_ceiling's words for ``r``'s floor ``f`` (whole_run_floor's)."""
     return (f"serves at most {f.ceiling_tok_s:.0f} tok/s (its lone step {r['log']['lone_step_ms']:.0f} ms: "
             f"request #{f.binding}'s {f.binding_output} tokens end at {f.makespan_s:.0f} s at the earliest)")
+
+
+#: tokens by which the server's count of a prompt may differ from the lens file's
+LONE_SLACK = 2
+
+
+def lone_tail_ceiling(r: dict, lens: Path = LENS) -> dict | None:
+    """The most a stopped run could serve of its whole traffic where its log ended on one
+    request decoding alone (``window.lone_tail``): that request held ``kv_tokens`` of KV, its
+    prompt and what it had made, so it is one of the sample's requests whose prompt fits
+    under that and whose prompt and output go past it; the fewest tokens any of them still
+    had to make (``LONE_SLACK`` tokens short, for the tokenizer), at the fastest rate it
+    decoded alone, end the traffic no earlier than ``end_s``. ``tok_s``: the sample's output
+    over that. None where the run finished, has no lone tail, or its traffic is not the
+    lens file's sample (another seed, more requests than the file holds)."""
+    tail = (r.get("timeline") or {}).get("lone_tail")
+    if not tail or done(r) or r.get("seed", 1) != LENS_SEED or not Path(lens).exists():
+        return None
+    rows = json.loads(Path(lens).read_text())
+    if r["num_prompts"] > len(rows):
+        return None
+    kv = tail["kv_tokens"]
+    left = [max(0, i + o - kv - LONE_SLACK) for i, o in rows[:r["num_prompts"]]
+            if i - LONE_SLACK <= kv <= i + o + LONE_SLACK]
+    if not left or not tail["tok_s"]:
+        return None
+    end = tail["seconds"] + min(left) / tail["tok_s"]
+    return {"tok_s": sum(o for _, o in rows[:r["num_prompts"]]) / end, "left": min(left), "end_s": end,
+            "at_s": tail["seconds"], "alone_tok_s": tail["tok_s"]}
+
+
+def whole_traffic_bound(el: dict, base: dict, lens: Path) -> tuple[str, float | None]:
+    """Where ``el`` served its whole traffic and ``base`` stopped on a lone tail: the words
+    for the measured cell and ``el``'s bench_serving throughput over ``base``'s ceiling (a
+    floor on their whole-traffic ratio); ``("", None)`` otherwise."""
+    c = lone_tail_ceiling(base, lens) if done(el) else None
+    if c is None:
+        return "", None
+    bound = el["bench"]["output_throughput"] / c["tok_s"]
+    return (f"; over the whole traffic {base['name']} serves at most {c['tok_s']:.0f} tok/s (its last request "
+            f"alone at {c['alone_tok_s']:.0f} tok/s with >= {c['left']} tokens to go at {c['at_s']:.0f} s: "
+            f"done no sooner than {c['end_s']:.0f} s), {el['name']} served it at "
+            f"{el['bench']['output_throughput']:.0f}: **>= {bound:.2f}x**"), bound
 
 
 def stopped_rate(r: dict) -> tuple[float | None, str]:
@@ -332,6 +378,12 @@ def verdict(value: float | None, threshold: float, higher: bool, cap: float | No
     return "not met"
 
 
+def bound_verdict(bound: float | None, threshold: float) -> str | None:
+    """A whole-traffic floor on the ratio (whole_traffic_bound) at or above the threshold
+    meets it; below, the ratio of the two windows' rates decides (None)."""
+    return "**met** (over the whole traffic, by the bound)" if bound is not None and bound >= threshold else None
+
+
 def ablation(systems: dict[str, list[dict]]) -> tuple[str, str, str]:
     """The issue's ablation on one traffic (runs, measured, verdict): static (the pool, a fixed
     split), the adjuster copying offloaded experts in, elastic (+ the paged kernel's in-place
@@ -381,9 +433,10 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
                 cap = ceiling_over(base, step_ms, lens)
                 need = 1.3 if skew else 1.15
                 light, no_queue = light_load(base, cap, need), never_queued(base)
+                whole, bound = whole_traffic_bound(el, base, lens)
                 if model == "q15" and card == 32:
-                    t.add(PLAIN_TPUT, where, pair, fmt(x, sources),
-                          light or verdict(x, need, True, cap))
+                    t.add(PLAIN_TPUT, where, pair, fmt(x, sources) + whole,
+                          light or bound_verdict(bound, need) or verdict(x, need, True, cap))
                     if done(el) and done(base):
                         ttft = el["bench"]["median_ttft_ms"] / base["bench"]["median_ttft_ms"]
                         t.add(PLAIN_TTFT, where, pair, f"{ttft:.2f}x", no_queue or verdict(ttft, 0.6, False))
@@ -392,7 +445,7 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
                 if rate == 1 and done(el) and done(base):
                     tpot = el["bench"]["median_tpot_ms"] / base["bench"]["median_tpot_ms"]
                     t.add(LIGHT, where, pair, f"TPOT {tpot:.2f}x", verdict(tpot, 1.05, False))
-                t.add(FLOOR, where, pair, fmt(x, sources), verdict(x, 0.97, True))
+                t.add(FLOOR, where, pair, fmt(x, sources) + whole, bound_verdict(bound, 0.97) or verdict(x, 0.97, True))
             offload = offload_elsewhere(by_traffic, traffic)
             if offload and ((model == "q15" and card == 24) or (model == "q3" and card == 32)):
                 need = 5.0 if model == "q15" else (3.0 if skew else 2.0)

@@ -21,8 +21,10 @@ Each side's tokens at ``T`` are interpolated between its points (a step record's
 ~20 s apart); ``a``'s tokens at its last point at or before ``T`` over ``b``'s at its first at
 or after it bound ``a``'s lead from below within that resolution, and are kept beside. A
 decode-log timeline also keeps SGLang's fastest line in the window (``best_line``): its rate
-once its batch is full, which a window that opened on its prefill does not show.
-targets.py uses both where the two runs of a pair stopped. No GPU, no SGLang.
+once its batch is full, which a window that opened on its prefill does not show; and where
+the log ends on one request decoding alone, that request's KV and rate (``lone_tail``), from
+which targets.lone_tail_ceiling bounds the run's whole traffic. targets.py uses both where
+the two runs of a pair stopped. No GPU, no SGLang.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ from pathlib import Path
 
 from decode_log import DECODE, STAMP, log_interval, read_lines, read_log, stamp
 
+# a decode line's requests, the KV they hold (SGLang's ``#token``: tokens locked by running requests,
+# the radix cache's evictable ones left out), its rate and its queue
+HELD = re.compile(r"\[(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[^\]\n]*\][^\n]*?Decode batch, #running-req: (?P<r>\d+), "
+                  r"#token: (?P<kv>\d+),[^\n]*?gen throughput \(token/s\): (?P<g>[0-9.]+),[^\n]*?#queue-req: (?P<q>\d+)")
 LINE = re.compile(r"\[(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[^\]\n]*\][^\n]*?(?:(?P<decode>Decode batch, #running-req: "
                   r"(?P<r>\d+),)|(?P<prefill>Prefill batch, #new-seq: (?P<n>\d+),))")
 
@@ -77,6 +83,33 @@ def best_line(log: str, began: float) -> dict | None:
     return {"tok_s": g, "running": r}
 
 
+def lone_tail(log: str, began: float) -> dict | None:
+    """Where SGLang's log ends on one request decoding alone (no other running, none queued):
+    ``{"seconds", "kv_tokens", "tok_s", "lines"}``, the last such line's time from ``began``,
+    the KV that request held then (its prompt and the tokens it had made), and the fastest of
+    the trailing lone lines' rates but the first's. A run stopped there still had that
+    request's remaining output to decode at no faster a step (targets.lone_tail_ceiling).
+    None where the log's last decode or prefill line is not such a decode line."""
+    last = None
+    for last in LINE.finditer(log):
+        pass
+    if last is None or not last["decode"] or int(last["r"]) != 1:
+        return None
+    trailing = []
+    for m in reversed([m for m in HELD.finditer(log) if stamp(m["ts"]) >= int(began)]):
+        if int(m["r"]) != 1 or int(m["q"]) != 0:
+            break
+        trailing.append(m)
+    if not trailing:
+        return None
+    end = trailing[0]
+    # the first lone line's rate is over steps that still ran the requests before it
+    # (SGLang's rate is the tokens since the previous line): only a lone line's own count
+    alone = trailing[:-1] or trailing
+    return {"seconds": round(stamp(end["ts"]) - began, 1), "kv_tokens": int(end["kv"]),
+            "tok_s": max(float(m["g"]) for m in alone), "lines": len(trailing)}
+
+
 def line_tokens(line: dict) -> int:
     """Output tokens of one step-record line's passes: one a request in each decode pass
     (``"gpu"`` rows) and in each extend or mixed pass (``"passes"``; one too many for a
@@ -97,11 +130,14 @@ def pass_timeline(records: list[dict], began: float) -> list[list[float]]:
 
 def timeline(records: list[dict] | None, log: str, began: float) -> dict:
     """A run's ``"timeline"``: its step record's points where the server wrote one (pool
-    modes), else its decode log's with SGLang's fastest line."""
+    modes), else its decode log's with SGLang's fastest line (and its lone tail, where the
+    log ends on one)."""
     if records:
         return {"source": "pass record", "began_wall": round(began, 1), "points": pass_timeline(records, began)}
-    return {"source": "decode log", "began_wall": round(began, 1), "points": log_timeline(log, began),
-            "best_line": best_line(log, began)}
+    tl = {"source": "decode log", "began_wall": round(began, 1), "points": log_timeline(log, began),
+          "best_line": best_line(log, began)}
+    tail = lone_tail(log, began)
+    return {**tl, "lone_tail": tail} if tail else tl
 
 
 def began_of(run: dict, base: Path, records: list[dict] | None) -> float | None:

@@ -660,6 +660,63 @@ def test_two_stopped_runs_are_compared_over_the_same_first_seconds(tmp_path):
                    "best_line": {"tok_s": 70.0, "running": 6}}
 
 
+def _held_line(t: float, running: int, kv: int, rate: float, queued: int = 0) -> str:
+    """A decode line with the KV its running requests hold (SGLang's ``#token``)."""
+    return (f"[{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))}] Decode batch, #running-req: {running}, "
+            f"#token: {kv}, token usage: 0.1, cuda graph: True, gen throughput (token/s): {rate:.2f}, "
+            f"#queue-req: {queued}")
+
+
+def test_plain_stopped_on_its_last_request_alone_bounds_the_whole_traffic(tmp_path):
+    """A plain run stopped while its traffic's last request decoded alone: that request held
+    the KV its last line says, so it is one of the sample's requests whose prompt fits under
+    it and whose prompt and output pass it; the fewest tokens any such had left, at the
+    fastest rate it decoded alone (not the first lone line's, which still counts the steps
+    before it), end the traffic no sooner than that. An elastic run that served the whole
+    traffic is set against that ceiling: a floor on the ratio, which meets the target."""
+    window, targets = _serving_module("window"), _serving_module("targets")
+    t = 1_800_000_000.0
+    log = "\n".join(["decode_log_interval=40", _prefill_line(t - 9, 1), _decode_line(t - 5, 1, 2.0),
+                     _prefill_line(t, 5), _held_line(t + 10, 3, 900, 500.0, queued=2),
+                     _held_line(t + 20, 3, 1000, 520.0), _held_line(t + 30, 1, 600, 400.0),
+                     _held_line(t + 31, 1, 640, 200.0), _held_line(t + 40, 1, 1000, 180.0)])
+    tail = {"seconds": 40.0, "kv_tokens": 1000, "tok_s": 200.0, "lines": 3}
+    assert window.lone_tail(log, t) == tail
+    assert window.timeline(None, log, t)["lone_tail"] == tail
+    # a queued request, or a prefill after the lone lines: no tail
+    assert window.lone_tail(log + "\n" + _prefill_line(t + 41, 1), t) is None
+    assert window.lone_tail(log.replace("#token: 1000, token usage: 0.1, cuda graph: True, gen throughput "
+                                        "(token/s): 180.00, #queue-req: 0", "#token: 1000, token usage: 0.1, "
+                                        "cuda graph: True, gen throughput (token/s): 180.00, #queue-req: 1"), t) is None
+    # the sample: (prompt, output); requests 1 and 3 pass 1,000 tokens, 2's prompt is longer
+    lens = tmp_path / "lens.json"
+    lens.write_text(json.dumps([[100, 50], [20, 3000], [1200, 40], [500, 1600], [7, 9]]))
+    base = {**_run("off32-skew_r20", 32, log_rate=900.0, rate=20, skew=1, num=5), "timeline": {"points": [[40.0, 2000]],
+            "lone_tail": tail}}
+    el = _run("elastic32-skew_r20", 32, 150.0, rate=20, skew=1, num=5)
+    c = targets.lone_tail_ceiling(base, lens)
+    left = 500 + 1600 - 1000 - 2  # request 3, the fewer of the two, less the tokenizer's slack
+    assert c == {"tok_s": 4699 / (40 + left / 200), "left": left, "end_s": 40 + left / 200, "at_s": 40.0,
+                 "alone_tok_s": 200.0}
+    table = targets.targets_table([base, el], 3.75, lens)
+    [row] = _rows(table, "32 GB Qwen1.5: throughput >= 1.3x plain (skewed), 1.15x (uniform)")
+    # 4,699 tokens no sooner than 45.5 s: at most 103 tok/s, against elastic's 150 (the means' ratio,
+    # 150 / 900 over plain's own window, would say not met)
+    bound = 150.0 / c["tok_s"]
+    assert round(c["tok_s"]) == 103 and round(bound, 2) == 1.45
+    whole = (f"; over the whole traffic off32-skew_r20 serves at most 103 tok/s (its last request alone at 200 "
+             f"tok/s with >= {left} tokens to go at 40 s: done no sooner than 45 s), elastic32-skew_r20 served it "
+             f"at 150: **>= 1.45x**")
+    assert _cells(row)[3:5] == ["~0.17x (bench_serving / decode log)" + whole,
+                                "**met** (over the whole traffic, by the bound)"]
+    [floor_row] = _rows(table, "at no rate below 0.97x plain")
+    assert _cells(floor_row)[3:5] == _cells(row)[3:5]
+    # no bound where the lens file is not the run's sample: the means decide
+    [row2] = _rows(targets.targets_table([base, el], 3.75, tmp_path / "missing.json"),
+                   "32 GB Qwen1.5: throughput >= 1.3x plain (skewed), 1.15x (uniform)")
+    assert _cells(row2)[3:5] == ["~0.17x (bench_serving / decode log)", "not met"]
+
+
 def test_the_offload_target_takes_the_setting_elastic_leads_least_over_the_same_window(tmp_path):
     """Against SGLang's offload settings that stopped, the offload target compares over the
     same first seconds (window.py), picks the setting elastic leads least there, and sets the
