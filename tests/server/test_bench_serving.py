@@ -1227,7 +1227,9 @@ def test_run_one_at_tp2_on_cpu_sets_the_ranks_traces_side_by_side(tmp_path, mode
     """Issue 14's harness end to end on CPU: an elastic server at --tp-size 2 under a burst
     its 200 KV tokens cannot hold (the elastic tests' flags), so both ranks evict and
     restore; the JSON compares rank 1's trace (TRACE.tp1) with rank 0's line for line and
-    the report gives the TP table."""
+    the report gives the TP table. Under independent routings (--router-noise 1) each rank
+    draws its own noise: SGLang seeds both alike and they draw alike, so both ranks route
+    every forward by the same draws (their tallies, rank against rank)."""
     model = str(ensure_model("tiny-qwen3-moe", cache_dir=model_dir))
     data = tmp_path / "burst.json"
     data.write_text(json.dumps([{"id": f"c{i}", "conversations": [
@@ -1236,11 +1238,14 @@ def test_run_one_at_tp2_on_cpu_sets_the_ranks_traces_side_by_side(tmp_path, mode
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "bench/serving/run_one.py"), "--name", "tp2elastic_cpu", "--model", model,
            "--card-gb", "0", "--device-flags", "", "--rate", "16", "--num-prompts", "16", "--dataset", str(data),
-           "--context-len", "512", "--out", str(out), "--budget-s", "240", "--",
+           "--context-len", "512", "--out", str(out), "--budget-s", "240", "--router-noise", "1", "--",
            "--tp-size", "2", "--rimuru-mode", "elastic", "--rimuru-expert-offload-limit", "4",
            "--max-total-tokens", "200", "--context-length", "512"]
+    tally = tmp_path / "tally"
+    tally.mkdir()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "SGLANG_RIMURU_CHECK_INVARIANTS": "1"})
+                          env={**os.environ, "SGLANG_RIMURU_CHECK_INVARIANTS": "1",
+                               "RIMURU_BENCH_ROUTER_TALLY": str(tally)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((out / "tp2elastic_cpu.json").read_text())
     assert res["all_completed"] and res["tracebacks"] == 0, res["bench_log_tail"]
@@ -1250,6 +1255,12 @@ def test_run_one_at_tp2_on_cpu_sets_the_ranks_traces_side_by_side(tmp_path, mode
     # at the server's stop rank 1 may not have written its line for the last order yet
     assert tt["compared"] == min(tt["rounds"]) >= max(tt["rounds"]) - 1 and tt["compared"] >= 2
     assert res["peak_gpu_mib_by_gpu"] == {} and res["peak_gpu_mib"] == 0  # no nvidia-smi: nothing sampled
+    # the two ranks' draws, forward by forward (one may have run a forward more at the stop)
+    ranks = sorted((f.read_text().splitlines() for f in tally.iterdir()), key=len)
+    assert len(ranks) == 2 and len(ranks[0]) >= 50 and ranks[1][:len(ranks[0])] == ranks[0]
+    assert len(ranks[1]) - len(ranks[0]) <= 2 * max(int(line.split()[0]) for line in ranks[1]) + 2
+    sums = [line.split()[-1] for line in ranks[0]]
+    assert len(set(sums)) > 0.9 * len(sums)  # fresh draws every forward and layer
     rep = subprocess.run([sys.executable, str(ROOT / "bench/serving/report.py"), str(out / "tp2elastic_cpu.json")],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert rep.returncode == 0, rep.stderr

@@ -36,7 +36,11 @@ context, would not (``bench/serving/dummy_routing.py``, bench/RESULTS.md thirty-
 session). With n = 1 every token routes by its own draws, as the table above assumes:
 independent routings, the same popularity law. The draws come from torch's default generator
 on the logits' device, which CUDA graphs capture graph-safe (each replay draws anew). At
-TP > 1 each rank draws from its own generator: unverified that the ranks agree.
+TP > 1 each rank draws from its own generator, seeded alike by SGLang (``set_random_seed`` of
+the one ``--random-seed``) and drawn alike (the same forwards on the same batch), as SGLang's
+own sampling relies on; ``RIMURU_BENCH_ROUTER_TALLY=DIR`` (eager forwards only: it reads each
+draw's sum back) has every process append its draws' sums to ``DIR/PID.txt``, which the TP=2
+CPU test compares rank against rank.
 
 Not part of the product: it changes the model. It installs itself through an
 import hook when SGLang imports ``sglang.srt.layers.moe.topk`` (after the
@@ -45,6 +49,7 @@ project's own bootstrap), in every process that imports that module.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import math
@@ -54,6 +59,7 @@ import sys
 TARGET = "sglang.srt.layers.moe.topk"
 SKEW = float(os.environ.get("RIMURU_BENCH_ROUTER_SKEW", "0") or 0)
 NOISE = float(os.environ.get("RIMURU_BENCH_ROUTER_NOISE", "0") or 0)
+TALLY = os.environ.get("RIMURU_BENCH_ROUTER_TALLY", "")
 if not 0 <= NOISE <= 1:
     raise SystemExit(f"RIMURU_BENCH_ROUTER_NOISE={NOISE}: the share of fresh draws in each token's logits, 0 to 1")
 
@@ -67,17 +73,31 @@ def _bias(layer_id: int, num_experts: int, device, dtype):
     return (-SKEW * torch.log1p(rank.double())).to(device=device, dtype=dtype)
 
 
-def skewed_logits(router_logits, bias, noise: float = 0.0):
+def skewed_logits(router_logits, bias, noise: float = 0.0, tally=None):
     """The router logits standardized per token (over the experts), mixed with ``noise`` of
     fresh N(0, 1) draws, plus ``bias``, in the logits' dtype. Elementwise, reductions and
-    the default generator's draws only: graph-capturable."""
+    the default generator's draws only: graph-capturable. ``tally``: a callable given the
+    draws (RIMURU_BENCH_ROUTER_TALLY; not under graph capture)."""
     import torch
 
     z = router_logits.float()
     z = (z - z.mean(dim=-1, keepdim=True)) / (z.std(dim=-1, keepdim=True) + 1e-12)
     if noise > 0:
-        z = math.sqrt(1.0 - noise * noise) * z + noise * torch.randn_like(z)
+        eps = torch.randn_like(z)
+        if tally is not None:
+            tally(eps)
+        z = math.sqrt(1.0 - noise * noise) * z + noise * eps
     return (z + bias.float()).to(router_logits.dtype)
+
+
+def _tally_to(folder: str):
+    """Appends each forward's draws (layer, shape, sum) to ``folder/PID.txt``."""
+    path = os.path.join(folder, f"{os.getpid()}.txt")
+
+    def tally(layer: int, eps) -> None:
+        with open(path, "a") as f:
+            f.write(f"{layer} {tuple(eps.shape)} {float(eps.double().sum()):.9e}\n")
+    return tally
 
 
 def _patch(module) -> None:
@@ -90,7 +110,8 @@ def _patch(module) -> None:
             layer = self.layer_id if self.layer_id is not None else 0
             bias = _bias(layer, router_logits.shape[-1], router_logits.device, router_logits.dtype)
             self._rimuru_bench_bias = bias
-        return original(self, hidden_states, skewed_logits(router_logits, bias, NOISE), *args, **kwargs)
+        tally = functools.partial(_TALLY, self.layer_id or 0) if _TALLY else None
+        return original(self, hidden_states, skewed_logits(router_logits, bias, NOISE, tally), *args, **kwargs)
 
     topk_cls.forward = forward
     print(f"[bench] router skew {SKEW}, noise {NOISE} installed (pid {os.getpid()}): standardized logits"
@@ -122,6 +143,7 @@ class _Hook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         _patch(module)
 
 
+_TALLY = _tally_to(TALLY) if TALLY else None
 if (SKEW > 0 and math.isfinite(SKEW)) or NOISE > 0:
     sys.meta_path.insert(0, _Hook())
 # the device machine's own quirks (transformers registration) still apply there
