@@ -70,11 +70,16 @@ def floor(outputs: list[int], rate: float, seed: int, step_ms: float = FASTEST_S
     return Floor(ends[i], arr[-1], i, outputs[i], total, total / ends[i])
 
 
-def load_outputs(num: int, lens: Path = LENS) -> list[int]:
+def load_requests(num: int, lens: Path = LENS) -> list[tuple[int, int]]:
+    """The first ``num`` requests of the lens file, (prompt, output) tokens each, bench order."""
     rows = json.loads(Path(lens).read_text())
     if num > len(rows):
         raise ValueError(f"{lens} holds {len(rows)} requests, not {num}")
-    return [int(o) for _, o in rows[:num]]
+    return [(int(i), int(o)) for i, o in rows[:num]]
+
+
+def load_outputs(num: int, lens: Path = LENS) -> list[int]:
+    return [o for _, o in load_requests(num, lens)]
 
 
 def floor_of_run(run: dict, step_ms: float = FASTEST_STEP_MS, lens: Path = LENS) -> Floor | None:

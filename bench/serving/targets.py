@@ -31,13 +31,12 @@ before the digest existed shows the digest of the commit its folder or name reco
 
 from __future__ import annotations
 
-import json
 import re
 from collections import defaultdict
 from pathlib import Path
 from typing import NamedTuple
 
-from makespan import FASTEST_STEP_MS, LENS, LENS_SEED, floor, floor_of_run, load_outputs
+from makespan import FASTEST_STEP_MS, LENS, LENS_SEED, floor, floor_of_run, load_outputs, load_requests
 from offload_sweep import model_of, offload_gb, sweep
 from window import same_window
 
@@ -173,18 +172,18 @@ def lone_tail_ceiling(r: dict, lens: Path = LENS) -> dict | None:
     over that. None where the run finished, has no lone tail, or its traffic is not the
     lens file's sample (another seed, more requests than the file holds)."""
     tail = (r.get("timeline") or {}).get("lone_tail")
-    if not tail or done(r) or r.get("seed", 1) != LENS_SEED or not Path(lens).exists():
+    if not tail or not tail["tok_s"] or done(r) or r.get("seed", 1) != LENS_SEED or not Path(lens).exists():
         return None
-    rows = json.loads(Path(lens).read_text())
-    if r["num_prompts"] > len(rows):
+    try:
+        requests = load_requests(r["num_prompts"], lens)
+    except ValueError:  # more requests than the file holds: not its sample
         return None
     kv = tail["kv_tokens"]
-    left = [max(0, i + o - kv - LONE_SLACK) for i, o in rows[:r["num_prompts"]]
-            if i - LONE_SLACK <= kv <= i + o + LONE_SLACK]
-    if not left or not tail["tok_s"]:
+    left = [max(0, i + o - kv - LONE_SLACK) for i, o in requests if i - LONE_SLACK <= kv <= i + o + LONE_SLACK]
+    if not left:
         return None
     end = tail["seconds"] + min(left) / tail["tok_s"]
-    return {"tok_s": sum(o for _, o in rows[:r["num_prompts"]]) / end, "left": min(left), "end_s": end,
+    return {"tok_s": sum(o for _, o in requests) / end, "left": min(left), "end_s": end,
             "at_s": tail["seconds"], "alone_tok_s": tail["tok_s"]}
 
 
@@ -267,7 +266,7 @@ def never_queued(base: dict) -> str | None:
     return None
 
 
-def offload_elsewhere(by_traffic: dict, traffic: tuple) -> list[dict]:
+def offload_elsewhere(by_traffic: dict, traffic: Traffic) -> list[dict]:
     """SGLang's --cpu-offload-gb runs that stand for this traffic's: it copies its offloaded
     layers whole every forward, whatever the routing (91 tok/s skewed, ~97 uniform at 24 GB),
     so the same requests under the other routing count as settings of this traffic's sweep;
@@ -277,7 +276,7 @@ def offload_elsewhere(by_traffic: dict, traffic: tuple) -> list[dict]:
         return []
     def on(match) -> list[dict]:  # the same model, card and GPU, on traffic that ``match``es
         return [r for other, systems in by_traffic.items()
-                if other[:2] == traffic[:2] and other.gpu == traffic.gpu and match(other)
+                if (other.model, other.card, other.gpu) == (traffic.model, traffic.card, traffic.gpu) and match(other)
                 for r in systems.get("offload", [])]
     return on(lambda other: same_requests(other, traffic)) or on(lambda other: not other.phases)
 
@@ -302,7 +301,7 @@ def one_setting(el: dict, base: dict, offload: list[dict], x: float | None, need
             f"~{est:.2f}x, {'met' if est >= need else '**not met**'} (estimated, not measured)")
 
 
-def offload_pair(el: dict, offload: list[dict], traffic: tuple, need: float, lens: Path) -> tuple[str, str, str]:
+def offload_pair(el: dict, offload: list[dict], traffic: Traffic, need: float, lens: Path) -> tuple[str, str, str]:
     """The offload target's runs, measured and verdict for ``el`` against SGLang's settings.
 
     Where ``el`` and a setting on its requests (either routing: offload_elsewhere) both have
