@@ -64,6 +64,14 @@ class RimuruConfig:
     moe_kernel: str = "auto"
     #: when a prefill pass also advances the running decode requests (MIX_DECODES)
     mix_decodes: str = "offloaded"
+    #: the CPU split: this share of each layer's offloaded experts is computed by the
+    #: host's CPUs in passes of cpu_min_tokens..cpu_max_tokens tokens (0: off;
+    #: sglang_rimuru/experts/cpu_split.py)
+    cpu_experts: float = 0.0
+    #: host threads computing the CPU split's experts (default: the process's cores less two)
+    cpu_threads: int | None = None
+    cpu_min_tokens: int = 16
+    cpu_max_tokens: int = 128
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -79,6 +87,8 @@ class RimuruConfig:
             ("--rimuru-resident-experts", self.resident_experts),
             ("--rimuru-zero-copy-max-tokens", self.zero_copy_max_tokens),
             ("--rimuru-load-buffer-slots", self.load_buffer_slots),
+            ("--rimuru-cpu-min-tokens", self.cpu_min_tokens),
+            ("--rimuru-cpu-max-tokens", self.cpu_max_tokens),
         ):
             if value is not None and value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
@@ -87,6 +97,14 @@ class RimuruConfig:
             raise ValueError(f"--rimuru-load-buffer-slots {self.load_buffer_slots} is above "
                              f"--rimuru-expert-offload-limit {self.expert_offload_limit}: a layer never has "
                              "more experts offloaded than the limit")
+        if not 0 <= self.cpu_experts < 1:
+            raise ValueError(f"--rimuru-cpu-experts is a share of each layer's offloaded experts, in [0, 1), "
+                             f"got {self.cpu_experts}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"--rimuru-cpu-threads must be >= 1, got {self.cpu_threads}")
+        if not 1 <= self.cpu_min_tokens <= self.cpu_max_tokens:
+            raise ValueError(f"--rimuru-cpu-min-tokens {self.cpu_min_tokens} and --rimuru-cpu-max-tokens "
+                             f"{self.cpu_max_tokens}: need 1 <= min <= max")
         if self.pool_gb is not None and not self.pool_gb > 0:
             raise ValueError(f"--rimuru-pool-gb must be > 0, got {self.pool_gb}")
         if self.mode == "off":
@@ -136,6 +154,9 @@ class RimuruConfig:
                 "--rimuru-zero-copy-max-tokens") else self.zero_copy_max_tokens),
             "--rimuru-moe-kernel": None if self.moe_kernel == self._default("--rimuru-moe-kernel") else self.moe_kernel,
             "--rimuru-mix-decodes": None if self.mix_decodes == self._default("--rimuru-mix-decodes") else self.mix_decodes,
+            **{flag: None if value == self._default(flag) else value for flag, value in (
+                ("--rimuru-cpu-experts", self.cpu_experts), ("--rimuru-cpu-threads", self.cpu_threads),
+                ("--rimuru-cpu-min-tokens", self.cpu_min_tokens), ("--rimuru-cpu-max-tokens", self.cpu_max_tokens))},
         }
 
     @property
@@ -227,6 +248,41 @@ class RimuruConfig:
             "'sglang': --enable-mixed-chunk alone.",
         )
         group.add_argument(
+            "--rimuru-cpu-experts",
+            type=float,
+            default=RimuruConfig.cpu_experts,
+            metavar="SHARE",
+            help="The CPU split (GPU only, TP 1): in forward passes of --rimuru-cpu-min-tokens to "
+            "--rimuru-cpu-max-tokens tokens (the decode graphs), this share of each MoE layer's offloaded "
+            "experts (the most often routed) is computed by the host's CPUs from host memory while the GPU "
+            "reads the rest over PCIe; only hidden states and routing cross the link for them. Outputs "
+            "are not bit-equal to the GPU's. 0 (default): off. ~0.25 paid best on a Qwen3-30B-A3B step "
+            "(bench/RESULTS.md).",
+        )
+        group.add_argument(
+            "--rimuru-cpu-threads",
+            type=int,
+            default=None,
+            metavar="N",
+            help="Host threads computing the CPU split's experts (default: this process's cores less two).",
+        )
+        group.add_argument(
+            "--rimuru-cpu-min-tokens",
+            type=int,
+            default=RimuruConfig.cpu_min_tokens,
+            metavar="N",
+            help="Smallest pass (tokens) the CPU split takes part in (default %(default)s: below it a "
+            "step is short and the host's fixed cost a layer would show).",
+        )
+        group.add_argument(
+            "--rimuru-cpu-max-tokens",
+            type=int,
+            default=RimuruConfig.cpu_max_tokens,
+            metavar="N",
+            help="Largest pass (tokens) the CPU split takes part in (default %(default)s: the host's "
+            "matmuls grow with the tokens routed to its experts).",
+        )
+        group.add_argument(
             "--rimuru-record-routing",
             default=None,
             metavar="PATH",
@@ -298,6 +354,10 @@ class RimuruConfig:
             load_buffer_slots=args.rimuru_load_buffer_slots,
             moe_kernel=args.rimuru_moe_kernel,
             mix_decodes=args.rimuru_mix_decodes,
+            cpu_experts=args.rimuru_cpu_experts,
+            cpu_threads=args.rimuru_cpu_threads,
+            cpu_min_tokens=args.rimuru_cpu_min_tokens,
+            cpu_max_tokens=args.rimuru_cpu_max_tokens,
         )
 
     def to_dict(self) -> dict:

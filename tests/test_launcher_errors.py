@@ -133,6 +133,23 @@ def test_moe_kernel_needs_a_pool_mode(tiny_moe):
     assert_one_line_error(proc, "--rimuru-moe-kernel", "need --rimuru-mode static or elastic")
 
 
+@pytest.mark.parametrize("flags, names", [
+    (["--rimuru-cpu-experts", "1.5"], ["--rimuru-cpu-experts", "in [0, 1)", "1.5"]),
+    (["--rimuru-cpu-experts", "0.25", "--rimuru-cpu-min-tokens", "64", "--rimuru-cpu-max-tokens", "32"],
+     ["--rimuru-cpu-min-tokens 64", "--rimuru-cpu-max-tokens 32"]),
+    (["--rimuru-cpu-experts", "0.25", "--device", "cpu", "--tp-size", "2"],
+     ["--rimuru-cpu-experts 0.25", "needs a CUDA device (--device cpu)", "TP 1 only (--tp-size 2)"]),
+])
+def test_cpu_split_settings_it_cannot_serve(tiny_moe, flags, names):
+    proc = run_launcher("--model-path", tiny_moe, "--rimuru-mode", "elastic", *flags)
+    assert_one_line_error(proc, *names)
+
+
+def test_cpu_split_needs_a_pool_mode(tiny_moe):
+    proc = run_launcher("--model-path", tiny_moe, "--rimuru-cpu-experts", "0.25")
+    assert_one_line_error(proc, "--rimuru-cpu-experts", "need --rimuru-mode static or elastic")
+
+
 def test_mem_available_is_read_from_meminfo(tmp_path):
     from rimuru_patches.server import mem_available_bytes
 

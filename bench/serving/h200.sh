@@ -128,6 +128,10 @@ for run in ${RUNS:-static32 elastic32}; do
     # elastic with no limit flag: the default (all but one a layer under the cost policy)
     elastic24d) one elastic24d 24 q15 -- --rimuru-mode elastic ;;
     q3elastic32d) one q3elastic32d 32 q3 -- --rimuru-mode elastic ;;
+    # ... with the CPU split (--rimuru-cpu-experts 0.PP of each layer's offloaded experts on the
+    # host's CPUs in decode passes; sglang_rimuru/experts/cpu_split.py): elastic24dcpu25, q3elastic32dcpu25
+    elastic24dcpu*) one "$run" 24 q15 -- --rimuru-mode elastic --rimuru-cpu-experts "0.${run#elastic24dcpu}" ;;
+    q3elastic32dcpu*) one "$run" 32 q3 -- --rimuru-mode elastic --rimuru-cpu-experts "0.${run#q3elastic32dcpu}" ;;
     # ... with SGLang's mixed chunked prefill: each prefill pass carries the running decodes, so a
     # pass that reads every offloaded expert once also advances every running request
     q3elastic32dm) one q3elastic32dm 32 q3 -- --rimuru-mode elastic --enable-mixed-chunk ;;

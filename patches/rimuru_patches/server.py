@@ -128,6 +128,20 @@ def _check_pool_plan(args: argparse.Namespace, config) -> None:
         raise LaunchError(str(exc)) from None
 
 
+def _check_cpu_split(args: argparse.Namespace, config, device: str) -> None:
+    """``--rimuru-cpu-experts``: what the split cannot serve, refused before any weight loads
+    (the worker checks the same at build, where it also knows the host store is pinned)."""
+    problems = []
+    if device != "cuda":
+        problems.append(f"it needs a CUDA device (--device {device})")
+    if args.tp_size != 1:
+        problems.append(f"it runs at TP 1 only (--tp-size {args.tp_size})")
+    if getattr(args, "enable_deterministic_inference", False):
+        problems.append("its outputs are not bit-equal to the GPU's (--enable-deterministic-inference)")
+    if problems:
+        raise LaunchError(f"--rimuru-cpu-experts {config.cpu_experts}: " + "; ".join(problems))
+
+
 def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     """The kernel's estimate of memory available to a new process (None if unknown)."""
     try:
@@ -204,6 +218,8 @@ def prepare(argv: list[str]):
     _check_port(args.host, args.port)
     if config.enabled:
         _check_pool_plan(args, config)
+    if config.cpu_experts:
+        _check_cpu_split(args, config, device)
 
     if config.record_routing and not args.disable_cuda_graph and device != "cpu":
         # The recorder counts on the host after every pass; a replayed graph runs no Python.

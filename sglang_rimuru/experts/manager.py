@@ -237,6 +237,8 @@ class ExpertManager:
             #: pass may read waits for this, not for whatever stream is current then
             self._pass_ev = torch.cuda.Event()
         self._uploads_pending = False
+        #: the CPU split (``cpu_split.CpuSplit``), when attached: its tables follow ours
+        self.cpu_split = None
         self._uploading: dict[int, dict[int, tuple[int, int, int]]] = {}  # layer -> {expert: pages}
         self.refresh_tables()
 
@@ -385,12 +387,14 @@ class ExpertManager:
     def compute_cuda(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor,
                           topk_ids: torch.Tensor, table: torch.Tensor,
                      config: dict | None = None, down_config: dict | None = None,
-                     hooks: KernelHooks | None = None) -> torch.Tensor:
+                     hooks: KernelHooks | None = None, absent_is_zero: bool = False) -> torch.Tensor:
         """The paged Triton kernel (``rimuru_kernels.paged_fused_moe``) over the pool.
 
         ``hooks`` (default ``self.kernel_hooks``) supply the launch configs,
         SiLU*up and top-k combine; an explicit ``config`` / ``down_config``
-        wins over ``hooks.configs``. Also runs on CPU tensors when
+        wins over ``hooks.configs``. ``absent_is_zero``: rows of -1 contribute zero
+        (the CPU split's table: the host computes those experts) instead of being
+        refused where the kernel validates (CPU tensors). Also runs on CPU tensors when
         ``TRITON_INTERPRET=1`` was set before ``rimuru_kernels`` was first
         imported (tests only).
         """
@@ -405,7 +409,7 @@ class ExpertManager:
                                inter_size=self.shape.inter, page_elems=self.page_elems,
                                config=config, down_config=down_config,
                                act_and_mul=hooks.act_and_mul, combine=hooks.combine,
-                               host_pages=self.host_pages(layer_id))
+                               host_pages=self.host_pages(layer_id), validate=False if absent_is_zero else None)
 
     def compute_cpu(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -499,6 +503,16 @@ class ExpertManager:
             self._loaded_rows[l] = {}
             self._offloaded_now[l] = self.residency.offloaded(l)
             self._table_version[l] = v
+            if self.cpu_split is not None:  # its split table follows the home table, same stream order
+                self.cpu_split.update_layer(l, rows, self._offloaded_now[l], self._token_p[l])
+
+    def attach_cpu_split(self, split) -> None:
+        """Keep ``split``'s tables (``cpu_split.CpuSplit``) beside the home tables from now on."""
+        if not self.host_reads:
+            raise ValueError("the CPU split needs host reads: its table keeps every other offloaded row readable")
+        self.cpu_split = split
+        for l in self.shape.layer_ids:
+            split.update_layer(l, self._home_rows[l], self._offloaded_now[l], self._token_p[l])
 
     def offloaded_max_p(self, layer_id: int | None = None) -> float:
         """The largest per-token routing probability (the ranking's, scaled to ``top_k``

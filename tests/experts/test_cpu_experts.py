@@ -100,3 +100,38 @@ def test_store_weights_are_views_of_the_store() -> None:
         store_weights(store, I, H + 1)
     with pytest.raises(ValueError, match="at least one"):
         CpuExperts(0)
+
+
+@pytest.mark.parametrize("T, k, E, I, H, experts", [
+    (6, 2, 8, 64, 128, [3]),  # one expert, cut into 4 pieces each way
+    (40, 4, 16, 96, 64, [1, 9]),  # two experts, 2 pieces each (rows in 16-row blocks: 48 + 48, 32 + 32)
+    (100, 8, 128, 768 // 8, 2048 // 8, [5, 77, 100]),  # Qwen3's routing, its matrices at an eighth
+])
+def test_fewer_experts_than_threads_are_cut_into_row_pieces(T, k, E, I, H, experts) -> None:
+    """Every thread works on a few experts (the server's CPU split), and each output
+    element is the same dot product over the whole row: the one-thread result, bit for bit."""
+    g = torch.Generator().manual_seed(T + I)
+    w13, w2, store = layer(E, I, H, g)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    w, ids = route(T, E, k, g)
+    for t in range(T):  # every listed expert routed, and no token routed twice to one expert
+        want = experts[t % len(experts)]
+        row = ids[t].tolist()
+        if want not in row:
+            row[0] = want
+        ids[t] = torch.tensor(row, dtype=ids.dtype)
+    calls = []
+    weights = store_weights(store, I, H)
+
+    def counted(e):
+        calls.append(e)
+        return weights(e)
+
+    many = CpuExperts(4)
+    try:
+        got = many(x, ids, w, counted, experts)
+    finally:
+        many.close()
+    assert sorted(calls) == sorted(experts)  # one weights() lookup an expert, whatever the pieces
+    assert torch.equal(got, CpuExperts(1)(x, ids, w, weights, experts))
+    assert torch.equal(got, native(w13, w2, x, w, ids, only=experts))

@@ -138,6 +138,8 @@ def _forward(orig, ctx):
         runtime = _runtime()
         if runtime is None:
             return orig(self, forward_batch, *args, **kwargs)
+        if runtime.cpu_split is not None:  # a failed host side stops the server here, loudly
+            runtime.check_cpu_split()
         runtime.manager.begin_forward()
         if runtime.elastic is not None:  # this round's migration order rides along this pass
             runtime.elastic.before_forward()

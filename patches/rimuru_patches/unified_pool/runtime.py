@@ -48,6 +48,7 @@ from sglang_rimuru.experts import (
 )
 from sglang_rimuru.experts import read_probe
 from sglang_rimuru.experts.host_store import pin_kind
+from sglang_rimuru.experts.cpu_split import CpuSplit, CpuSplitFailed
 from sglang_rimuru.plan import GIB, ModelFacts, PlanError, PoolPlan, plan_pool
 from sglang_rimuru.pool import PoolBuffer, PoolGeometry, UnifiedPagePool
 
@@ -164,6 +165,8 @@ class RimuruRuntime:
         self.elastic = elastic
         #: static layers SGLang's own MoE computes, from pool views (``use_sglang_moe``)
         self.sglang_moe_layers: frozenset[int] = frozenset()
+        #: the CPU split (``--rimuru-cpu-experts``; sglang_rimuru/experts/cpu_split.py), or None
+        self.cpu_split: CpuSplit | None = None
         self._stats_logged = time.monotonic()  # log_stats_every's last line
 
     @property
@@ -310,6 +313,9 @@ class RimuruRuntime:
             elastic=elastic,
         )
         _ACTIVE = runtime
+        if config.cpu_experts:
+            runtime.cpu_split = cls._build_cpu_split(config, manager, host, device, model_runner.ps.tp_size,
+                                                     server_args)
         if sglang_layout:
             kernel += runtime.use_sglang_moe(layers)
         stats = page_pool.stats()
@@ -344,6 +350,46 @@ class RimuruRuntime:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         return runtime
+
+    @staticmethod
+    def _build_cpu_split(config: RimuruConfig, manager: ExpertManager, host: HostExpertStore, device,
+                         tp_size: int, server_args) -> CpuSplit:
+        """``--rimuru-cpu-experts``: the split, its tables attached to the manager's, its host
+        thread started (before SGLang captures its graphs: their warm-up passes run it)."""
+        problems = []
+        if device.type != "cuda":
+            problems.append(f"it needs a CUDA device (this server runs on {device.type})")
+        if tp_size != 1:
+            problems.append(f"it runs at TP 1 only (--tp-size {tp_size}: each rank's host share is not built)")
+        if getattr(server_args, "enable_deterministic_inference", False):
+            problems.append("its outputs are not bit-equal to the GPU's (--enable-deterministic-inference)")
+        if not manager.host_reads:
+            problems.append("the host store is not pinned (offloaded experts are not read in place)")
+        if problems:
+            raise ValueError(f"--rimuru-cpu-experts {config.cpu_experts}: " + "; ".join(problems))
+        threads = config.cpu_threads or max(1, len(os.sched_getaffinity(0)) - 2)
+        if threads > 1:
+            # each host thread runs its experts' matmuls alone: torch's own intra-op team inside
+            # every small matmul halved the host's rate (cpu_experts.py); process-wide
+            torch.set_num_threads(1)
+        split = CpuSplit(manager.shape, host, device, share=config.cpu_experts, min_tokens=config.cpu_min_tokens,
+                         max_tokens=config.cpu_max_tokens, threads=threads)
+        manager.attach_cpu_split(split)
+        split.start()
+        out = [len(split.host_experts(l)) for l in manager.shape.layer_ids]
+        logger.info("sglang-rimuru CPU split: %.2f of each layer's offloaded experts on %d host threads in passes "
+                    "of %d-%d tokens (now %s a layer); torch intra-op threads %d", config.cpu_experts, threads,
+                    config.cpu_min_tokens, config.cpu_max_tokens, _range(out), torch.get_num_threads())
+        return split
+
+    def check_cpu_split(self) -> None:
+        """Before each pass: the host side is alive, and the split's tables still follow the
+        manager's. A split table the manager stopped rewriting keeps pages the pool has since
+        given to KV, which the GPU would read as weights (fast, and wrong: the thirty-seventh
+        session's first split runs, bench/RESULTS.md)."""
+        if self.manager.cpu_split is not self.cpu_split:
+            raise CpuSplitFailed("the CPU split's tables no longer follow the expert manager's (detached)")
+        self.cpu_split.check()
 
     @staticmethod
     def _sglang_layout(config: RimuruConfig) -> bool:
@@ -555,6 +601,12 @@ class RimuruRuntime:
             stats.in_place_layers,
             stats.in_place_overflow,
         )
+        if self.cpu_split is not None:
+            cs = self.cpu_split.stats()
+            out = [len(self.cpu_split.host_experts(l)) for l in self.shape.layer_ids]
+            logger.info("sglang-rimuru CPU split: %d layer requests served, %.2f ms and %.1f experts a request "
+                        "on the host; host experts a layer now %s", cs["requests"], cs["host_ms_per_request"],
+                        cs["host_experts_per_request"], _range(out))
 
     def prefill_graph_may_replay(self, num_tokens: int) -> bool:
         """Whether a captured prefill pass of ``num_tokens`` tokens may replay.
@@ -617,7 +669,13 @@ class RimuruRuntime:
         lid = layer.layer_id
         in_place = self.manager.host_reads and (
             (x.is_cuda and torch.cuda.is_current_stream_capturing()) or self._reads_in_place(x.shape[0], lid))
-        if in_place:
+        if in_place and self.cpu_split is not None and x.is_cuda and self.cpu_split.applies(x.shape[0]):
+            # part of the layer's offloaded experts on the host's CPUs (its handshake is captured
+            # with the pass; a layer with none offloaded then skips it on the device)
+            self.manager.note_in_place(lid)
+            out = self.cpu_split.forward(lid, x, topk_weights, topk_ids, lambda table: self.manager.compute_cuda(
+                lid, x, topk_weights, topk_ids, table, absent_is_zero=True))
+        elif in_place:
             self.manager.note_in_place(lid)
             out = self.manager.compute(lid, x, topk_weights, topk_ids, self.manager.table(lid))
         else:

@@ -1,0 +1,295 @@
+"""The CPU split: which experts the host takes, the split table beside the home table,
+and a whole split layer (handshake kernels under the Triton interpreter, a real host
+thread) against the GPU's share and the host's share computed apart."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from sglang_rimuru.experts.cpu_experts import CpuExperts, store_weights
+from sglang_rimuru.experts.cpu_split import CpuSplit, CpuSplitFailed, choose_host_experts
+
+from .rig import host_row, make_rig, tiny_shape
+from .test_compute import _interpreter_only, route
+
+
+def test_choose_takes_the_most_routed_share_of_the_offloaded() -> None:
+    p = [0.30, 0.05, 0.20, 0.10, 0.10, 0.25]
+    assert choose_host_experts([1, 3, 4, 5], p, 0.5) == [3, 5]  # 0.25, then 0.10 (3 before 4: offloaded order)
+    assert choose_host_experts([1, 4, 3, 5], p, 0.5) == [4, 5]  # the tie goes to the one offloaded first
+    assert choose_host_experts([1, 3, 4, 5], p, 0.25) == [5]
+    assert choose_host_experts([1, 3, 4, 5], p, 0.1) == []  # 0.4 rounds to none
+    assert choose_host_experts([], p, 0.9) == []
+    assert choose_host_experts([0, 1, 2], p, 0.5) == [0, 2]  # 1.5 rounds half up
+
+
+def _split(rig, share=0.5, min_tokens=1, max_tokens=16, threads=2, max_spins=2_000_000) -> CpuSplit:
+    return CpuSplit(rig.shape, rig.host, "cpu", share=share, min_tokens=min_tokens, max_tokens=max_tokens,
+                    threads=threads, max_spins=max_spins)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_split_tables_follow_the_home_tables() -> None:
+    _interpreter_only("CUDA present: the split's tables are covered on the GPU by the server runs")
+    rig = make_rig(limit=4)  # layer 0 offloads 2, 7, 6; layer 1 offloads 2, 1, 0 (rig.py)
+    m = rig.manager
+    split = _split(rig, share=0.34)  # one of three
+    m.attach_cpu_split(split)
+    # ranking probabilities fall with rank: the most routed offloaded expert is the first offloaded
+    assert split.host_experts(0) == [2] and split.host_experts(1) == [2]
+    for l in (0, 1):
+        home, table = m.table(l).tolist(), split.split_table(l).tolist()
+        assert table[2] == [-1, -1, -1]
+        assert [r for e, r in enumerate(table) if e != 2] == [r for e, r in enumerate(home) if e != 2]
+    assert split._active.tolist() == [1, 1]
+    # layer 0 evicts expert 5 (ranked above 2): the host's expert moves to it at the next refresh
+    rig.residency.evict(0, 5)
+    assert split.host_experts(0) == [2]  # tables move only between passes
+    m.refresh_tables()
+    assert split.host_experts(0) == [5] and split.host_experts(1) == [2]
+    table = split.split_table(0).tolist()
+    assert table[5] == [-1, -1, -1] and table[2] == host_row(2) == m.table(0).tolist()[2]
+
+
+def test_split_tables_follow_evictions_and_restores_through_passes() -> None:
+    """The order protocol as the worker runs it (evict, pass, restore copy, admit, pass):
+    after every step the split table is the home table less the host's rows. A split
+    table left behind points at pages the pool has since handed to KV (the GPU would
+    read them as weights: fast and wrong), so each pass checks it."""
+    from sglang_rimuru.experts import expert_owners
+
+    rig = make_rig(limit=4)
+    m, r = rig.manager, rig.residency
+    split = _split(rig, share=0.5)
+    m.attach_cpu_split(split)
+
+    def agrees() -> None:
+        for l in (0, 1):
+            home, table = m.table(l).tolist(), split.split_table(l).tolist()
+            mine = choose_host_experts(r.offloaded(l), m._token_p[l], 0.5)
+            assert split.host_experts(l) == mine
+            assert table == [[-1, -1, -1] if e in mine else row for e, row in enumerate(home)]
+
+    m.begin_forward()
+    agrees()
+    pages5 = r.evict(0, 5)  # layer 0 offloads 5, 2, 7, 6: the host takes 5 and 2
+    m.end_forward()
+    agrees()
+    assert split.host_experts(0) == [2, 5]
+    rig.pool.free_expert_pages(pages5)
+    new = rig.pool.alloc_expert_pages(3, expert_owners(0, 5))
+    m.begin_forward()
+    m.start_uploads([(0, 5, tuple(new))])
+    m.end_forward()
+    m.wait_uploads()
+    r.admit(0, 5, tuple(new))
+    m.begin_forward()
+    agrees()
+    assert split.host_experts(0) == [2, 7] and split.split_table(0).tolist()[5] == list(new)
+    r.evict(0, 5)  # and again, after an upload finished
+    m.end_forward()
+    agrees()
+    assert split.host_experts(0) == [2, 5]
+
+
+def test_a_layer_with_nothing_offloaded_is_inactive() -> None:
+    _interpreter_only("CUDA present")
+    rig = make_rig(limit=3, resident=8, pages=96)  # every expert resident
+    split = _split(rig)
+    rig.manager.attach_cpu_split(split)
+    assert split.host_experts(0) == [] and split._active.tolist() == [0, 0]
+    assert torch.equal(split.split_table(0), rig.manager.table(0))
+
+
+def test_no_split_without_host_reads() -> None:
+    rig = make_rig()
+    rig.manager.host_reads = False
+    with pytest.raises(ValueError, match="host reads"):
+        rig.manager.attach_cpu_split(object())
+
+
+@pytest.mark.parametrize("share, tokens", [(0.5, 0), (1.0, 4), (0.5, 4)])
+def test_bad_settings_are_refused(share, tokens) -> None:
+    rig = make_rig()
+    if share >= 1:
+        with pytest.raises(ValueError, match="share"):
+            _split(rig, share=share)
+    elif tokens == 0:
+        with pytest.raises(ValueError, match="tokens"):
+            _split(rig, min_tokens=0)
+    else:
+        split = _split(rig, min_tokens=2, max_tokens=4)
+        assert [split.applies(t) for t in (1, 2, 4, 5)] == [False, True, True, False]
+
+
+def _layer_reference(rig, split, layer, x, w, ids):
+    """The GPU's share (the paged kernel over the split table) and the host's (CpuExperts
+    over the split's experts), summed in fp32 and rounded once."""
+    m = rig.manager
+    gpu = m.compute_cuda(layer, x, w, ids, split.split_table(layer), absent_is_zero=True)
+    sh = rig.shape
+    cpu = CpuExperts(1)
+    try:
+        host = cpu(x, ids, w, store_weights(rig.host.layer_tensor(layer), sh.inter, sh.hidden),
+                   split.host_experts(layer))
+    finally:
+        cpu.close()
+    total = gpu.float() + host.float()
+    # the interpreter rounds fp32 -> bf16 toward zero (a GPU rounds to nearest even):
+    # the kernel's one rounding, as the interpreter does it
+    truncated = (total.view(torch.int32) & ~0xFFFF).view(torch.float32).to(x.dtype)
+    return truncated, gpu
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("T", [1, 7])
+def test_a_split_layer_is_the_gpus_share_plus_the_hosts(T) -> None:
+    _interpreter_only("CUDA present: the server runs cover the split on the GPU")
+    E, I, H, k = 8, 16, 32, 2
+    rig = make_rig(tiny_shape(E=E, I=I, H=H, k=k), limit=3, resident=5, gates="random", fragment=True)
+    m = rig.manager
+    split = _split(rig, share=0.67)  # two of three offloaded a layer
+    m.attach_cpu_split(split)
+    split.start()
+    try:
+        g = torch.Generator().manual_seed(T)
+        for layer in rig.shape.layer_ids:
+            x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+            # every token routed to an offloaded expert of this layer, so both sides work
+            w, ids = route(T, E, k, g)
+            ids[:, 0] = torch.tensor(split.host_experts(layer)[0], dtype=ids.dtype)
+            ids[:, 1] = torch.tensor([e for e in rig.residency.offloaded(layer)
+                                      if e not in split.host_experts(layer)][0], dtype=ids.dtype)
+            got = split.forward(layer, x, w, ids,
+                                lambda t: m.compute_cuda(layer, x, w, ids, t, absent_is_zero=True))
+            want, gpu_only = _layer_reference(rig, split, layer, x, w, ids)
+            assert torch.equal(got, want)
+            assert not torch.equal(got, gpu_only)  # the host's share is in it
+            # and it is the whole layer, to rounding: against every expert read in place
+            whole = m.compute_cuda(layer, x, w, ids, m.table(layer))
+            assert (got.float() - whole.float()).abs().max() <= 0.02 * whole.float().abs().max() + 1e-3
+        split.check()
+        assert split.stats()["requests"] == 2
+    finally:
+        split.close()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_an_inactive_layer_skips_the_host() -> None:
+    _interpreter_only("CUDA present")
+    rig = make_rig(tiny_shape(E=8, I=16, H=32, k=2), limit=3, resident=8, gates="random", pages=96)
+    m = rig.manager
+    split = _split(rig)
+    m.attach_cpu_split(split)
+    split.start()
+    try:
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(5, 32, generator=g).to(torch.bfloat16)
+        w, ids = route(5, 8, 2, g)
+        got = split.forward(0, x, w, ids, lambda t: m.compute_cuda(0, x, w, ids, t, absent_is_zero=True))
+        assert torch.equal(got, m.compute_cuda(0, x, w, ids, m.table(0)))
+        assert split.stats()["requests"] == 0 and int(split.mailbox.flags[0]) == 0
+    finally:
+        split.close()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_dead_host_thread_is_reported_not_hung() -> None:
+    _interpreter_only("CUDA present")
+    rig = make_rig(tiny_shape(E=8, I=16, H=32, k=2), limit=3, resident=5, gates="random")
+    m = rig.manager
+    split = _split(rig, share=0.67, max_spins=50)
+    m.attach_cpu_split(split)
+    split._thread = threading.Thread(target=lambda: None)  # "running", but nobody serves
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 32, generator=g).to(torch.bfloat16)
+    w, ids = route(3, 8, 2, g)
+    t0 = time.monotonic()
+    split.forward(0, x, w, ids, lambda t: m.compute_cuda(0, x, w, ids, t, absent_is_zero=True))
+    assert time.monotonic() - t0 < 60
+    with pytest.raises(CpuSplitFailed, match="gave up waiting for the host's reply to request 1"):
+        split.check()
+    split._thread = None
+    split.close()
+
+
+def test_forward_before_start_is_an_error() -> None:
+    rig = make_rig()
+    split = _split(rig)
+    x = torch.zeros(1, rig.shape.hidden, dtype=torch.bfloat16)
+    with pytest.raises(CpuSplitFailed, match="not running"):
+        split.forward(0, x, None, None, None)
+    split.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T", [1, 40])
+def test_split_layers_in_a_cuda_graph(T) -> None:
+    """Both layers split inside one captured graph, replayed on new inputs: each layer is
+    the GPU's share plus the host's (rounded to nearest on a GPU), and close to the layer
+    with every offloaded expert read in place."""
+    from sglang_rimuru.experts import ExpertManager, HostExpertStore
+    from sglang_rimuru.pool import PoolBuffer
+
+    E, I, H, k = 8, 64, 128, 2
+    shape = tiny_shape(E=E, I=I, H=H, k=k)
+    rig = make_rig(shape, limit=3, resident=5, gates="random", fragment=True)
+    host = HostExpertStore(shape, pin_memory=True)
+    for l in shape.layer_ids:
+        host.put_fused(l, rig.w13[l], rig.w2[l])
+    buf = PoolBuffer(rig.buffer.geometry, "cuda", zero=True)
+    m = ExpertManager(shape, buf, rig.residency, host, rig.buffers, None, "cuda")
+    m.upload_resident()
+    split = CpuSplit(shape, host, "cuda", share=0.67, min_tokens=1, max_tokens=64, threads=2).start()
+    m.attach_cpu_split(split)
+    torch.cuda.synchronize()
+    g = torch.Generator().manual_seed(T)
+    xs = torch.zeros(2, T, H, dtype=torch.bfloat16, device="cuda")
+    ws = torch.zeros(2, T, k, dtype=torch.float32, device="cuda")
+    ids = torch.zeros(2, T, k, dtype=torch.int32, device="cuda")
+    outs = {}
+
+    def step():
+        for j, l in enumerate(shape.layer_ids):
+            outs[l] = split.forward(l, xs[j], ws[j], ids[j], lambda t, j=j, l=l: m.compute_cuda(
+                l, xs[j], ws[j], ids[j], t, absent_is_zero=True))
+
+    def fill():
+        for j, l in enumerate(shape.layer_ids):
+            xs[j].copy_(torch.randn(T, H, generator=g).to(torch.bfloat16))
+            w, i = route(T, E, k, g)
+            i[:, 0] = split.host_experts(l)[0]  # every token on a host expert and on a GPU-read one
+            i[:, 1] = [e for e in rig.residency.offloaded(l) if e not in split.host_experts(l)][0]
+            ws[j].copy_(w)
+            ids[j].copy_(i)
+
+    try:
+        fill()
+        step()  # eager: compiles, and the host serves it
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for _ in range(3):
+            fill()
+            graph.replay()
+            torch.cuda.synchronize()
+            split.check()
+            for j, l in enumerate(shape.layer_ids):
+                gpu = m.compute_cuda(l, xs[j], ws[j], ids[j], split.split_table(l), absent_is_zero=True)
+                cpu = CpuExperts(1)
+                hostpart = cpu(xs[j].cpu(), ids[j].cpu(), ws[j].cpu(),
+                               store_weights(host.layer_tensor(l), I, H), split.host_experts(l))
+                cpu.close()
+                want = (gpu.float().cpu() + hostpart.float()).to(torch.bfloat16)
+                assert torch.equal(outs[l].cpu(), want)
+                whole = m.compute_cuda(l, xs[j], ws[j], ids[j], m.table(l)).float().cpu()
+                assert (outs[l].float().cpu() - whole).abs().max() <= 0.02 * whole.abs().max() + 1e-3
+        assert split.stats()["requests"] == 2 * 4  # the eager step and 3 replays (a capture runs nothing)
+    finally:
+        split.close()
