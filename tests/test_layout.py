@@ -25,6 +25,7 @@ RULES = [
     ("sglang_rimuru/pool", {"torch"}, set()),
     ("sglang_rimuru/experts", {"torch", "sglang_rimuru.pool"}, set()),
     ("sglang_rimuru/experts/manager.py", {"torch", "sglang_rimuru.pool"}, {"rimuru_kernels"}),
+    ("sglang_rimuru/experts/cpu_split.py", {"torch", "sglang_rimuru.pool"}, {"rimuru_kernels"}),
     ("sglang_rimuru/adjuster/__init__.py", set(), set()),  # loads adjuster.py (torch) only on first use
     ("sglang_rimuru/adjuster/policy.py", set(), set()),
     ("sglang_rimuru/adjuster/cost.py", set(), set()),  # arithmetic only
@@ -108,6 +109,10 @@ def test_lazy_kernel_import_is_where_the_rules_say():
     # the expert manager reaches the Triton kernel lazily, so CPU-only processes never load triton
     _, nested = _imports(ROOT / "sglang_rimuru/experts/manager.py")
     assert any(m.startswith("rimuru_kernels") for m in nested)
+    # and so does the CPU split (its handshake kernels), which the server imports everywhere
+    top, nested = _imports(ROOT / "sglang_rimuru/experts/cpu_split.py")
+    assert any(m.startswith("rimuru_kernels") for m in nested)
+    assert not any(m.startswith("rimuru_kernels") or m == "triton" for m in top)
 
 
 def test_every_core_module_has_a_rule():

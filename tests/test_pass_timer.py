@@ -120,7 +120,7 @@ def seam(monkeypatch):
     manager = SimpleNamespace(begin_forward=lambda: calls.append("begin"), end_forward=lambda: calls.append("end"))
     ctl = SimpleNamespace(trace_path="/tmp/x_trace.jsonl", before_forward=lambda: None, after_forward=lambda: None)
     runtime = SimpleNamespace(manager=manager, elastic=ctl, device=SimpleNamespace(type="cuda"),
-                              log_stats_every=lambda n: None)
+                              log_stats_every=lambda n: None, cpu_split=None)
     monkeypatch.setattr(up, "_runtime", lambda: runtime)
     capturing = [False]
     monkeypatch.setattr(up.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])

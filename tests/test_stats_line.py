@@ -13,7 +13,7 @@ def test_the_stats_line_comes_every_n_passes_or_once_a_minute(monkeypatch, caplo
     now = [100.0]
     monkeypatch.setattr(rt.time, "monotonic", lambda: now[0])
     stats = [ExpertStats()]
-    fake = SimpleNamespace(manager=SimpleNamespace(stats=lambda: stats[0]), _stats_logged=100.0)
+    fake = SimpleNamespace(manager=SimpleNamespace(stats=lambda: stats[0]), _stats_logged=100.0, cpu_split=None)
     lines = []
     for forwards, t in [(1, 101.0), (2, 150.0), (3, 161.0), (4, 170.0), (10, 175.0), (11, 230.0), (12, 240.0)]:
         stats[0], now[0] = ExpertStats(forwards=forwards), t
