@@ -118,6 +118,19 @@ class RimuruConfig:
         else:
             self.adjuster_policy()  # the policy checks its thresholds (one-line errors)
 
+    def cpu_split_problems(self, device: str, tp_size: int, deterministic: bool) -> list[str]:
+        """Why ``--rimuru-cpu-experts`` cannot serve on this device, TP size and determinism
+        setting (empty where it can): asked by the launcher before any weight loads and by
+        the worker at build."""
+        problems = []
+        if device != "cuda":
+            problems.append(f"it needs a CUDA device (--device {device})")
+        if tp_size != 1:
+            problems.append(f"it runs at TP 1 only (--tp-size {tp_size})")
+        if deterministic:
+            problems.append("its outputs are not bit-equal to the GPU's (--enable-deterministic-inference)")
+        return problems
+
     def _elastic_flags(self) -> dict[str, object]:
         return {
             "--rimuru-adjuster-evict-low-water": self.adjuster_evict_low_water,

@@ -113,3 +113,13 @@ def test_load_buffer_slots_flag():
         RimuruConfig(mode="static", load_buffer_slots=-1)
     with pytest.raises(ValueError, match=r"--rimuru-load-buffer-slots need --rimuru-mode static or elastic"):
         RimuruConfig(mode="off", load_buffer_slots=2)
+
+
+def test_cpu_split_problems_name_each_setting_it_cannot_serve():
+    cfg = RimuruConfig(mode="elastic", cpu_experts=0.25)
+    assert cfg.cpu_split_problems("cuda", 1, False) == []
+    assert cfg.cpu_split_problems("cpu", 2, True) == [
+        "it needs a CUDA device (--device cpu)",
+        "it runs at TP 1 only (--tp-size 2)",
+        "its outputs are not bit-equal to the GPU's (--enable-deterministic-inference)",
+    ]

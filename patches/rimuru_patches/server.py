@@ -131,13 +131,7 @@ def _check_pool_plan(args: argparse.Namespace, config) -> None:
 def _check_cpu_split(args: argparse.Namespace, config, device: str) -> None:
     """``--rimuru-cpu-experts``: what the split cannot serve, refused before any weight loads
     (the worker checks the same at build, where it also knows the host store is pinned)."""
-    problems = []
-    if device != "cuda":
-        problems.append(f"it needs a CUDA device (--device {device})")
-    if args.tp_size != 1:
-        problems.append(f"it runs at TP 1 only (--tp-size {args.tp_size})")
-    if getattr(args, "enable_deterministic_inference", False):
-        problems.append("its outputs are not bit-equal to the GPU's (--enable-deterministic-inference)")
+    problems = config.cpu_split_problems(device, args.tp_size, getattr(args, "enable_deterministic_inference", False))
     if problems:
         raise LaunchError(f"--rimuru-cpu-experts {config.cpu_experts}: " + "; ".join(problems))
 

@@ -101,7 +101,6 @@ class CpuSplit:
         self._weights = {l: store_weights(host_store.layer_tensor(l), shape.inter, shape.hidden)
                          for l in shape.layer_ids}
         self._experts = CpuExperts(threads)
-        self.threads = threads
         self._n = dict(requests=0, host_ms=0.0, host_experts=0)
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -124,9 +123,9 @@ class CpuSplit:
         pos = self.shape.position(layer)
         src = torch.tensor(rows, dtype=torch.int32)
         flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
-        if self.device.type == "cuda":  # pinned + async: a pageable copy would wait for the running pass
-            src, flag = src.pin_memory(), flag.pin_memory()
         cuda = self.device.type == "cuda"
+        if cuda:  # pinned + async: a pageable copy would wait for the running pass
+            src, flag = src.pin_memory(), flag.pin_memory()
         self._split[layer].copy_(src, non_blocking=cuda)
         self._active[pos:pos + 1].copy_(flag, non_blocking=cuda)
         self._host_experts[layer] = mine
@@ -138,6 +137,10 @@ class CpuSplit:
     def host_experts(self, layer: int) -> list[int]:
         """The host's experts of ``layer`` as of its last table rewrite."""
         return list(self._host_experts[layer])
+
+    def host_counts(self) -> list[int]:
+        """How many experts the host has in each layer (forward order), for the logs."""
+        return [len(self._host_experts[l]) for l in self.shape.layer_ids]
 
     # ------------------------------------------------------------------ the pass
 

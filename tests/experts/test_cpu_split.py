@@ -101,7 +101,7 @@ def test_a_layer_with_nothing_offloaded_is_inactive() -> None:
     rig = make_rig(limit=3, resident=8, pages=96)  # every expert resident
     split = _split(rig)
     rig.manager.attach_cpu_split(split)
-    assert split.host_experts(0) == [] and split._active.tolist() == [0, 0]
+    assert split.host_experts(0) == [] and split.host_counts() == [0, 0] and split._active.tolist() == [0, 0]
     assert torch.equal(split.split_table(0), rig.manager.table(0))
 
 
@@ -233,6 +233,8 @@ def test_split_layers_in_a_cuda_graph(T) -> None:
     """Both layers split inside one captured graph, replayed on new inputs: each layer is
     the GPU's share plus the host's (rounded to nearest on a GPU), and close to the layer
     with every offloaded expert read in place."""
+    from rimuru_kernels.handshake import add_reply_reference
+
     from sglang_rimuru.experts import ExpertManager, HostExpertStore
     from sglang_rimuru.pool import PoolBuffer
 
@@ -286,7 +288,7 @@ def test_split_layers_in_a_cuda_graph(T) -> None:
                 hostpart = cpu(xs[j].cpu(), ids[j].cpu(), ws[j].cpu(),
                                store_weights(host.layer_tensor(l), I, H), split.host_experts(l))
                 cpu.close()
-                want = (gpu.float().cpu() + hostpart.float()).to(torch.bfloat16)
+                want = add_reply_reference(gpu.cpu(), hostpart, active=True)
                 assert torch.equal(outs[l].cpu(), want)
                 whole = m.compute_cuda(l, xs[j], ws[j], ids[j], m.table(l)).float().cpu()
                 assert (outs[l].float().cpu() - whole).abs().max() <= 0.02 * whole.abs().max() + 1e-3

@@ -356,13 +356,8 @@ class RimuruRuntime:
                          tp_size: int, server_args) -> CpuSplit:
         """``--rimuru-cpu-experts``: the split, its tables attached to the manager's, its host
         thread started (before SGLang captures its graphs: their warm-up passes run it)."""
-        problems = []
-        if device.type != "cuda":
-            problems.append(f"it needs a CUDA device (this server runs on {device.type})")
-        if tp_size != 1:
-            problems.append(f"it runs at TP 1 only (--tp-size {tp_size}: each rank's host share is not built)")
-        if getattr(server_args, "enable_deterministic_inference", False):
-            problems.append("its outputs are not bit-equal to the GPU's (--enable-deterministic-inference)")
+        problems = config.cpu_split_problems(device.type, tp_size,
+                                             getattr(server_args, "enable_deterministic_inference", False))
         if not manager.host_reads:
             problems.append("the host store is not pinned (offloaded experts are not read in place)")
         if problems:
@@ -376,10 +371,9 @@ class RimuruRuntime:
                          max_tokens=config.cpu_max_tokens, threads=threads)
         manager.attach_cpu_split(split)
         split.start()
-        out = [len(split.host_experts(l)) for l in manager.shape.layer_ids]
         logger.info("sglang-rimuru CPU split: %.2f of each layer's offloaded experts on %d host threads in passes "
                     "of %d-%d tokens (now %s a layer); torch intra-op threads %d", config.cpu_experts, threads,
-                    config.cpu_min_tokens, config.cpu_max_tokens, _range(out), torch.get_num_threads())
+                    config.cpu_min_tokens, config.cpu_max_tokens, _range(split.host_counts()), torch.get_num_threads())
         return split
 
     def check_cpu_split(self) -> None:
@@ -603,10 +597,9 @@ class RimuruRuntime:
         )
         if self.cpu_split is not None:
             cs = self.cpu_split.stats()
-            out = [len(self.cpu_split.host_experts(l)) for l in self.shape.layer_ids]
             logger.info("sglang-rimuru CPU split: %d layer requests served, %.2f ms and %.1f experts a request "
                         "on the host; host experts a layer now %s", cs["requests"], cs["host_ms_per_request"],
-                        cs["host_experts_per_request"], _range(out))
+                        cs["host_experts_per_request"], _range(self.cpu_split.host_counts()))
 
     def prefill_graph_may_replay(self, num_tokens: int) -> bool:
         """Whether a captured prefill pass of ``num_tokens`` tokens may replay.
@@ -669,14 +662,14 @@ class RimuruRuntime:
         lid = layer.layer_id
         in_place = self.manager.host_reads and (
             (x.is_cuda and torch.cuda.is_current_stream_capturing()) or self._reads_in_place(x.shape[0], lid))
+        if in_place:
+            self.manager.note_in_place(lid)
         if in_place and self.cpu_split is not None and x.is_cuda and self.cpu_split.applies(x.shape[0]):
             # part of the layer's offloaded experts on the host's CPUs (its handshake is captured
             # with the pass; a layer with none offloaded then skips it on the device)
-            self.manager.note_in_place(lid)
             out = self.cpu_split.forward(lid, x, topk_weights, topk_ids, lambda table: self.manager.compute_cuda(
                 lid, x, topk_weights, topk_ids, table, absent_is_zero=True))
         elif in_place:
-            self.manager.note_in_place(lid)
             out = self.manager.compute(lid, x, topk_weights, topk_ids, self.manager.table(lid))
         else:
             # The next layer's predicted loads go out first, so they overlap this layer's compute.
