@@ -24,6 +24,8 @@ MOE_KERNELS = ("auto", "exact", "fast")
 #: --rimuru-mix-decodes: "offloaded" = prefill passes carry the running decodes while any
 #: routed expert is offloaded; "sglang" = SGLang's own --enable-mixed-chunk alone
 MIX_DECODES = ("offloaded", "sglang")
+#: how the host computes the CPU split's experts (``cpu_experts.ENGINES``)
+CPU_ENGINES = ("forked", "threads")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,8 @@ class RimuruConfig:
     cpu_experts: float = 0.0
     #: host threads computing the CPU split's experts (default: the process's cores less two)
     cpu_threads: int | None = None
+    #: how the host runs the split's experts (CPU_ENGINES; sglang_rimuru/experts/cpu_experts.py)
+    cpu_engine: str = "forked"
     cpu_min_tokens: int = 16
     cpu_max_tokens: int = 128
 
@@ -102,6 +106,9 @@ class RimuruConfig:
                              f"got {self.cpu_experts}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--rimuru-cpu-threads must be >= 1, got {self.cpu_threads}")
+        if self.cpu_engine not in CPU_ENGINES:
+            raise ValueError(f"--rimuru-cpu-engine: unknown engine {self.cpu_engine!r}; choose from "
+                             f"{', '.join(CPU_ENGINES)}")
         if not 1 <= self.cpu_min_tokens <= self.cpu_max_tokens:
             raise ValueError(f"--rimuru-cpu-min-tokens {self.cpu_min_tokens} and --rimuru-cpu-max-tokens "
                              f"{self.cpu_max_tokens}: need 1 <= min <= max")
@@ -169,6 +176,7 @@ class RimuruConfig:
             "--rimuru-mix-decodes": None if self.mix_decodes == self._default("--rimuru-mix-decodes") else self.mix_decodes,
             **{flag: None if value == self._default(flag) else value for flag, value in (
                 ("--rimuru-cpu-experts", self.cpu_experts), ("--rimuru-cpu-threads", self.cpu_threads),
+                ("--rimuru-cpu-engine", self.cpu_engine),
                 ("--rimuru-cpu-min-tokens", self.cpu_min_tokens), ("--rimuru-cpu-max-tokens", self.cpu_max_tokens))},
         }
 
@@ -280,6 +288,14 @@ class RimuruConfig:
             help="Host threads computing the CPU split's experts (default: this process's cores less two).",
         )
         group.add_argument(
+            "--rimuru-cpu-engine",
+            choices=CPU_ENGINES,
+            default=RimuruConfig.cpu_engine,
+            help="How the host computes the CPU split's experts: forked (default: TorchScript tasks on "
+            "torch's inter-op pool, without the GIL) or threads (Python threads, each expert's matmuls "
+            "taking the GIL between calls).",
+        )
+        group.add_argument(
             "--rimuru-cpu-min-tokens",
             type=int,
             default=RimuruConfig.cpu_min_tokens,
@@ -369,6 +385,7 @@ class RimuruConfig:
             mix_decodes=args.rimuru_mix_decodes,
             cpu_experts=args.rimuru_cpu_experts,
             cpu_threads=args.rimuru_cpu_threads,
+            cpu_engine=args.rimuru_cpu_engine,
             cpu_min_tokens=args.rimuru_cpu_min_tokens,
             cpu_max_tokens=args.rimuru_cpu_max_tokens,
         )

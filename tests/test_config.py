@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from sglang_rimuru.config import MOE_KERNELS, RimuruConfig, choose_moe_kernel
+from sglang_rimuru.config import CPU_ENGINES, MOE_KERNELS, RimuruConfig, choose_moe_kernel
 
 
 def parse(*argv: str) -> RimuruConfig:
@@ -123,3 +123,19 @@ def test_cpu_split_problems_name_each_setting_it_cannot_serve():
         "it runs at TP 1 only (--tp-size 2)",
         "its outputs are not bit-equal to the GPU's (--enable-deterministic-inference)",
     ]
+
+
+def test_cpu_engine_flag():
+    from sglang_rimuru.experts.cpu_experts import ENGINES
+
+    assert ENGINES == CPU_ENGINES  # the flag's choices are the engines CpuExperts has
+    assert parse("--rimuru-mode", "elastic", "--rimuru-cpu-experts", "0.25").cpu_engine == "forked"
+    config = parse("--rimuru-mode", "elastic", "--rimuru-cpu-experts", "0.25", "--rimuru-cpu-engine", "threads")
+    assert config.cpu_engine == "threads"
+    assert RimuruConfig.from_dict(config.to_dict()) == config  # what the spawned processes get
+    with pytest.raises(SystemExit):
+        parse("--rimuru-mode", "elastic", "--rimuru-cpu-engine", "gpu")
+    with pytest.raises(ValueError, match=r"--rimuru-cpu-engine: unknown engine 'gpu'; choose from forked, threads"):
+        RimuruConfig(mode="elastic", cpu_engine="gpu")
+    with pytest.raises(ValueError, match=r"^--rimuru-cpu-engine need --rimuru-mode static or elastic$"):
+        RimuruConfig(mode="off", cpu_engine="threads")

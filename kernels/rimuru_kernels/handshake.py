@@ -13,17 +13,24 @@ memory (``HostMailbox``): the layer's inputs, the host's output, and int64 flags
 Per layer, in stream order (each a launch a graph replays unchanged)::
 
     pack_request   T programs: token rows of hidden states, routing ids and weights,
-                   and (program 0) the layer's table column into the mailbox
+                   and (program 0) the layer's table column into the mailbox, and the
+                   table the GPU's share runs on: the split table when the layer
+                   splits this pass, else the home table (every expert the GPU's)
     post_request   counter + 1; meta; request = counter
     ... the GPU's own share of the layer runs here, overlapping the host ...
     await_reply    spin on reply (volatile loads past the cache) until it reaches the
                    counter, or give up after max_spins polls and write error
     add_reply      out = the GPU's share + the host's (fp32 add, one rounding)
 
-Each takes ``active[pos]`` (a device int32 per layer): 0 makes every one of them a
-no-op and ``add_reply`` a copy, so a graph captured with the handshake costs a
-layer whose host share is empty five empty launches, not a host round trip (the
-light-load decode step this project must not slow down).
+Each takes ``gate[pos]`` (a device int32 per layer): the least token count at which
+the layer splits. A pass of ``T`` tokens splits the layer iff ``T >= gate[pos]``;
+otherwise every launch is a no-op, ``add_reply`` a copy and the GPU runs the home
+table, so a graph captured with the handshake costs a layer that does not split this
+pass five empty launches, not a host round trip (the light-load decode step this
+project must not slow down). ``T`` is fixed when a graph is captured (its padded batch)
+and ``gate`` is read at replay, so which layers split at which batch sizes moves
+between passes without a recapture (``cpu_split.CpuSplit`` sets it from measured
+times). ``NEVER`` closes a layer.
 
 Pinned host memory is addressed as ``anchor + offset`` (elements of the anchor's
 dtype from a device tensor to the buffer; under unified addressing a pinned host
@@ -42,21 +49,31 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FLAG_WORDS", "HostMailbox", "add_reply", "add_reply_reference", "await_reply", "pack_request",
-           "post_request"]
+__all__ = ["FLAG_WORDS", "NEVER", "HostMailbox", "add_reply", "add_reply_reference", "await_reply",
+           "pack_request", "post_request"]
 
 #: request, reply, meta, error
 FLAG_WORDS = 4
 REQUEST, REPLY, META, ERROR = range(FLAG_WORDS)
+#: a gate no pass reaches (tokens fit 16 bits)
+NEVER = 1 << 30
 
 
 @triton.jit
-def _pack_kernel(x_ptr, x_stride, ids_ptr, w_ptr, tab_ptr, active_ptr, pos,
+def _pack_kernel(x_ptr, x_stride, ids_ptr, w_ptr, tab_ptr, home_ptr, used_ptr, gate_ptr, pos, T,
                  xa_ptr, x_off, ia_ptr, ids_off, fa_ptr, w_off, tab_off,
                  H: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    if tl.load(active_ptr + pos) != 0:
+    on = T >= tl.load(gate_ptr + pos)
+    if t == 0:  # the GPU's table this pass: the split's, or the home table's every expert
+        r = tl.arange(0, BLOCK_E * 4)
+        mr = (r < E * 3)
+        if on:
+            tl.store(used_ptr + r, tl.load(tab_ptr + r, mask=mr), mask=mr)
+        else:
+            tl.store(used_ptr + r, tl.load(home_ptr + r, mask=mr), mask=mr)
+    if on:
         for h0 in range(0, H, BLOCK_H):
             offs = h0 + tl.arange(0, BLOCK_H)
             m = offs < H
@@ -72,8 +89,8 @@ def _pack_kernel(x_ptr, x_stride, ids_ptr, w_ptr, tab_ptr, active_ptr, pos,
 
 
 @triton.jit
-def _post_kernel(counter_ptr, active_ptr, pos, la_ptr, flags_off, meta):
-    if tl.load(active_ptr + pos) != 0:
+def _post_kernel(counter_ptr, gate_ptr, pos, T, la_ptr, flags_off, meta):
+    if T >= tl.load(gate_ptr + pos):
         n = tl.load(counter_ptr) + 1
         tl.store(counter_ptr, n)
         tl.store(la_ptr + flags_off + 2, meta)
@@ -82,8 +99,8 @@ def _post_kernel(counter_ptr, active_ptr, pos, la_ptr, flags_off, meta):
 
 
 @triton.jit
-def _await_kernel(counter_ptr, active_ptr, pos, la_ptr, flags_off, max_spins):
-    if tl.load(active_ptr + pos) != 0:
+def _await_kernel(counter_ptr, gate_ptr, pos, T, la_ptr, flags_off, max_spins):
+    if T >= tl.load(gate_ptr + pos):
         want = tl.load(counter_ptr)
         # .cv: a cached line of system memory is stale, fetch it again (the host writes it)
         got = tl.load(la_ptr + flags_off + 1, cache_modifier=".cv", volatile=True)
@@ -96,10 +113,10 @@ def _await_kernel(counter_ptr, active_ptr, pos, la_ptr, flags_off, max_spins):
 
 
 @triton.jit
-def _add_kernel(gpu_ptr, out_ptr, active_ptr, pos, xa_ptr, part_off,
+def _add_kernel(gpu_ptr, out_ptr, gate_ptr, pos, T, xa_ptr, part_off,
                 H: tl.constexpr, BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    active = tl.load(active_ptr + pos) != 0
+    active = T >= tl.load(gate_ptr + pos)
     for h0 in range(0, H, BLOCK_H):
         offs = h0 + tl.arange(0, BLOCK_H)
         m = offs < H
@@ -163,13 +180,19 @@ class HostMailbox:
 
 
 def pack_request(mb: HostMailbox, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 table: torch.Tensor, active: torch.Tensor, pos: int) -> None:
-    """Enqueue: where ``active[pos]``, the first T rows of the mailbox's x, ids and weights
-    := x, topk_ids, topk_weights, and its table := table[:, 0]."""
+                 table: torch.Tensor, home: torch.Tensor, used: torch.Tensor, gate: torch.Tensor, pos: int) -> None:
+    """Enqueue: where ``T >= gate[pos]`` (T: x's rows), the first T rows of the mailbox's x,
+    ids and weights := x, topk_ids, topk_weights, its table := table[:, 0], and ``used`` :=
+    ``table`` (the split table); elsewhere ``used`` := ``home`` and nothing else moves.
+    ``used`` is what the GPU's share of the layer runs on."""
     T, H = x.shape
     if T > mb.max_tokens or H != mb.hidden or topk_ids.shape != (T, mb.top_k) or topk_weights.shape != (T, mb.top_k):
         raise ValueError(f"pack_request: x {tuple(x.shape)}, ids {tuple(topk_ids.shape)}, weights "
                          f"{tuple(topk_weights.shape)} for a mailbox of {mb.max_tokens} x {mb.hidden}, top-{mb.top_k}")
+    for t in (home, used):
+        if t.shape != table.shape or t.dtype != table.dtype or not t.is_contiguous():
+            raise ValueError(f"pack_request: home and used tables must match the split table "
+                             f"({tuple(table.shape)} {table.dtype}, contiguous); got {tuple(t.shape)} {t.dtype}")
     if table.shape != (mb.num_experts, 3) or x.dtype != mb.dtype or x.stride(1) != 1:
         raise ValueError(f"pack_request: table {tuple(table.shape)} or x {x.dtype} stride {x.stride()} "
                          f"does not fit the mailbox ({mb.num_experts} experts, {mb.dtype}, rows contiguous)")
@@ -177,33 +200,34 @@ def pack_request(mb: HostMailbox, x: torch.Tensor, topk_ids: torch.Tensor, topk_
         return
     a = mb._anchors
     _pack_kernel[(T,)](x, x.stride(0), topk_ids.contiguous(), topk_weights.contiguous(), table.contiguous(),
-                       active, pos, a[mb.dtype], mb.x_off, a[torch.int32], mb.ids_off, a[torch.float32],
+                       home, used, gate, pos, T, a[mb.dtype], mb.x_off, a[torch.int32], mb.ids_off, a[torch.float32],
                        mb.w_off, mb.tab_off, H=H, K=mb.top_k, E=mb.num_experts,
                        BLOCK_H=min(1024, triton.next_power_of_2(H)), BLOCK_K=triton.next_power_of_2(mb.top_k),
                        BLOCK_E=triton.next_power_of_2(mb.num_experts))
 
 
-def post_request(mb: HostMailbox, active: torch.Tensor, pos: int, layer: int, tokens: int) -> None:
-    """Enqueue: where ``active[pos]``, counter += 1, meta = (layer << 16) | tokens, request = counter."""
+def post_request(mb: HostMailbox, gate: torch.Tensor, pos: int, layer: int, tokens: int) -> None:
+    """Enqueue: where ``tokens >= gate[pos]``, counter += 1, meta = (layer << 16) | tokens,
+    request = counter."""
     if not (0 <= layer < 1 << 16 and 0 <= tokens < 1 << 16):
         raise ValueError(f"layer {layer} and tokens {tokens} must each fit 16 bits")
-    _post_kernel[(1,)](mb.counter, active, pos, mb._anchors[torch.int64], mb.flags_off, (layer << 16) | tokens)
+    _post_kernel[(1,)](mb.counter, gate, pos, tokens, mb._anchors[torch.int64], mb.flags_off, (layer << 16) | tokens)
 
 
-def await_reply(mb: HostMailbox, active: torch.Tensor, pos: int, max_spins: int) -> None:
-    """Enqueue: where ``active[pos]``, wait until reply >= counter; after ``max_spins``
-    polls give up and write error = counter."""
-    _await_kernel[(1,)](mb.counter, active, pos, mb._anchors[torch.int64], mb.flags_off, max_spins)
+def await_reply(mb: HostMailbox, gate: torch.Tensor, pos: int, tokens: int, max_spins: int) -> None:
+    """Enqueue: where ``tokens >= gate[pos]``, wait until reply >= counter; after
+    ``max_spins`` polls give up and write error = counter."""
+    _await_kernel[(1,)](mb.counter, gate, pos, tokens, mb._anchors[torch.int64], mb.flags_off, max_spins)
 
 
-def add_reply(mb: HostMailbox, gpu_part: torch.Tensor, active: torch.Tensor, pos: int,
+def add_reply(mb: HostMailbox, gpu_part: torch.Tensor, gate: torch.Tensor, pos: int,
               out: torch.Tensor | None = None) -> torch.Tensor:
-    """``out`` [T, H] := gpu_part + (the mailbox's part where ``active[pos]``, else 0)."""
+    """``out`` [T, H] := gpu_part + (the mailbox's part where ``T >= gate[pos]``, else 0)."""
     T, H = gpu_part.shape
     gpu_part = gpu_part.contiguous()
     out = torch.empty_like(gpu_part) if out is None else out
     if T:
-        _add_kernel[(T,)](gpu_part, out, active, pos, mb._anchors[mb.dtype], mb.part_off,
+        _add_kernel[(T,)](gpu_part, out, gate, pos, T, mb._anchors[mb.dtype], mb.part_off,
                           H=H, BLOCK_H=min(1024, triton.next_power_of_2(H)))
     return out
 

@@ -22,7 +22,19 @@ every routed expert it equals ``moe_forward_native`` bit for bit (the tests chec
 subset gives the same sum without the other experts' slots. It is not bit-equal to the
 GPU kernels (other matmul units), so serving with it is a ``fast``-kind choice.
 
-Threads: experts are dealt round-robin to ``threads`` Python threads, each running
+Engines. ``forked`` (the server's default): one TorchScript task an expert, forked onto
+torch's inter-op pool (``torch.jit.fork``; the pool sized to ``threads`` where torch still
+allows it), so the experts' matmuls and the glue between them run without the GIL. Why:
+a Python thread needs the GIL back after each of the dozen torch calls an expert makes,
+and in the server it shares the GIL with fourteen such threads, the host thread and the
+scheduler's; on this project's 2-core machine (``bench/device/cpu_split_host.py``) a
+Python thread that holds the GIL whenever it can (at the server's 0.2 ms switch interval)
+made a 4-expert request 6-8x slower on threads (6.7 -> 41-54 ms) and 1.7x on forks (6.6
+-> 11.2 ms, the two sharing two cores); on the device's 16-core host the server's host
+took ~9-10 ms a request whatever its experts (bench/RESULTS.md, thirty-eighth session).
+Same ops, same bits as ``threads``.
+
+``threads``: experts are dealt round-robin to ``threads`` Python threads, each running
 its matmuls (torch releases the GIL inside them). With fewer experts than threads
 each expert is cut into row pieces so every thread works (``_pieces``): gate/up by
 ranges of the intermediate rows (W1's and W3's same rows, so SiLU times up stays
@@ -44,7 +56,9 @@ Plain torch; no SGLang, no CUDA (tensors on the CPU).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 from collections.abc import Callable, Sequence
+from typing import List
 
 import torch
 from torch.nn import functional as F
@@ -55,27 +69,126 @@ __all__ = ["CpuExperts", "store_weights"]
 Weights = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
-def store_weights(layer: torch.Tensor, inter: int, hidden: int) -> Weights:
+class StoreWeights:
     """``weights(e)`` over a host store layer tensor ``[E, 3, inter*hidden]`` (W1, W3, W2 of
     each expert adjacent, ``sglang_rimuru/experts/host_store.py``): W13 is the expert's first
-    two matrices as one ``[2I, H]`` view, W2 its third as ``[H, I]``. No copy."""
-    if layer.dim() != 3 or layer.shape[1] != 3 or layer.shape[2] != inter * hidden:
-        raise ValueError(f"store layer of shape {tuple(layer.shape)}: expected [E, 3, {inter * hidden}]")
+    two matrices as one ``[2I, H]`` view, W2 its third as ``[H, I]``. No copy. The forked
+    engine reads ``layer``, ``inter`` and ``hidden`` itself (the whole request in TorchScript)."""
 
-    def weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return layer[e, 0:2].view(2 * inter, hidden), layer[e, 2].view(hidden, inter)
+    def __init__(self, layer: torch.Tensor, inter: int, hidden: int):
+        if layer.dim() != 3 or layer.shape[1] != 3 or layer.shape[2] != inter * hidden:
+            raise ValueError(f"store layer of shape {tuple(layer.shape)}: expected [E, 3, {inter * hidden}]")
+        self.layer, self.inter, self.hidden = layer, inter, hidden
 
-    return weights
+    def __call__(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layer[e, 0:2].view(2 * self.inter, self.hidden), self.layer[e, 2].view(self.hidden, self.inter)
+
+
+def store_weights(layer: torch.Tensor, inter: int, hidden: int) -> StoreWeights:
+    """``StoreWeights`` over a host store layer tensor."""
+    return StoreWeights(layer, inter, hidden)
+
+
+logger = logging.getLogger(__name__)
+
+#: CpuExperts' engines (``--rimuru-cpu-engine``)
+ENGINES = ("forked", "threads")
+
+
+def _one_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert's output rows: SiLU(x W1^T) * (x W3^T), then W2 (``moe_forward_native``'s ops)."""
+    inter = w2.shape[1]
+    gate_up = F.linear(x, w13)
+    return F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2)
+
+
+def _experts_forked(xs: List[torch.Tensor], w13s: List[torch.Tensor],
+                    w2s: List[torch.Tensor]) -> List[torch.Tensor]:
+    futures = [torch.jit.fork(_one_expert, xs[i], w13s[i], w2s[i]) for i in range(len(xs))]
+    return [torch.jit.wait(f) for f in futures]
+
+
+def _layer_forked(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: torch.Tensor,
+                  experts: torch.Tensor, inter: int, hidden: int) -> torch.Tensor:
+    """A whole request from a store layer tensor: ``CpuExperts.routed``, one forked task an
+    expert, and ``CpuExperts._combine``, op for op, so one call holds the GIL once."""
+    T, k = topk_ids.shape[0], topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).long()
+    slots = torch.nonzero(torch.isin(flat, experts.long())).reshape(-1)
+    ids = flat[slots]
+    order = torch.argsort(ids, stable=True)
+    slots, ids = slots[order], ids[order]
+    acc = torch.zeros(T, x.shape[1], dtype=topk_weights.dtype)
+    if slots.numel() == 0:
+        return acc
+    uniq, counts = torch.unique_consecutive(ids, return_counts=True)
+    sizes: List[int] = counts.tolist()
+    parts = torch.split(slots, sizes)
+    futures: List[torch.jit.Future[torch.Tensor]] = []
+    for i in range(len(parts)):
+        e = int(uniq[i])
+        w13 = layer[e, 0:2].view(2 * inter, hidden)
+        w2 = layer[e, 2].view(hidden, inter)
+        futures.append(torch.jit.fork(_one_expert, x[parts[i] // k], w13, w2))
+    ys = [torch.jit.wait(f) for f in futures]
+    y = torch.cat(ys)
+    w = topk_weights.reshape(-1)
+    for j in range(k):
+        sel = torch.nonzero(slots % k == j).reshape(-1)
+        if sel.numel() > 0:
+            at = slots[sel]
+            acc.index_add_(0, at // k, y[sel].to(acc.dtype).mul_(w[at].unsqueeze(-1)))
+    return acc
+
+
+_SCRIPTED: dict = {}
+
+
+def _scripted(fn=_experts_forked):
+    """``fn`` as TorchScript (compiled once, on first use: ~0.1 s). TorchScript
+    is deprecated (torch 2.11, the pinned torch, warns) but present; nothing else in
+    torch forks work off the GIL. Where it goes, the ``threads`` engine stays."""
+    if fn not in _SCRIPTED:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            _SCRIPTED[fn] = torch.jit.script(fn)
+    return _SCRIPTED[fn]
+
+
+def _size_interop_pool(threads: int) -> int:
+    """Size torch's inter-op pool to ``threads`` if nothing has used it yet (torch allows
+    that once, before the pool starts); return its size."""
+    if torch.get_num_interop_threads() != threads:
+        try:
+            torch.set_num_interop_threads(threads)
+        except RuntimeError as e:  # the pool already runs: keep it, say so
+            logger.warning("sglang-rimuru CPU experts: torch's inter-op pool keeps %d threads, not %d (%s)",
+                           torch.get_num_interop_threads(), threads, e)
+    return torch.get_num_interop_threads()
 
 
 class CpuExperts:
     """One MoE layer's contribution from a set of experts, on the host's CPUs."""
 
-    def __init__(self, threads: int = 1):
+    def __init__(self, threads: int = 1, pieces: bool = True, engine: str = "threads"):
+        """``pieces``: cut experts into row pieces when there are fewer than threads
+        (``_pieces``, ``threads`` engine); False: one expert a thread whatever the count.
+        ``engine``: ``threads`` (Python threads) or ``forked`` (TorchScript forks on
+        torch's inter-op pool, sized to ``threads``; one expert a task, no pieces)."""
         if threads < 1:
             raise ValueError(f"threads={threads}: at least one")
+        if engine not in ENGINES:
+            raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
         self.threads = threads
-        self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="rimuru-cpu-expert") if threads > 1 else None
+        self.pieces = pieces
+        self.engine = engine
+        if engine == "forked":
+            self.threads = _size_interop_pool(threads)
+            _scripted(_experts_forked), _scripted(_layer_forked)
+        self._pool = (cf.ThreadPoolExecutor(threads, thread_name_prefix="rimuru-cpu-expert")
+                      if threads > 1 and engine == "threads" else None)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -103,20 +216,26 @@ class CpuExperts:
             raise ValueError(f"x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, "
                              f"topk_weights {tuple(topk_weights.shape)}: expected [T, H], [T, k], [T, k]")
         k = topk_ids.shape[1]
+        if self.engine == "forked" and isinstance(weights, StoreWeights):
+            # the whole request in one TorchScript call: the GIL taken once, not per op
+            acc = _scripted(_layer_forked)(x, topk_ids, topk_weights, weights.layer,
+                                           torch.as_tensor(experts, dtype=torch.long).reshape(-1),
+                                           weights.inter, weights.hidden)
+            return acc.type(x.dtype) if out is None else out.copy_(acc)
         work = self.routed(topk_ids, experts)
 
         def one(item: tuple[int, torch.Tensor]) -> torch.Tensor:
             e, slots = item
             w13, w2 = weights(e)
-            inter = w2.shape[1]
-            gate_up = F.linear(x[slots // k], w13)
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            return F.linear(act, w2)
+            return _one_expert(x[slots // k], w13, w2)
 
         items = list(work.items())
-        if self._pool is None or not items:
+        if self.engine == "forked" and items:
+            mats = [weights(e) for e, _ in items]
+            ys = _scripted()([x[slots // k] for _, slots in items], [m[0] for m in mats], [m[1] for m in mats])
+        elif self._pool is None or not items:
             ys = [one(it) for it in items]
-        elif len(items) < self.threads:
+        elif len(items) < self.threads and self.pieces:
             ys = self._pieces(x, k, items, weights)
         else:
             # round-robin deal: thread i takes items i, i + n, ... (one task each, no queue churn)

@@ -14,10 +14,12 @@ How, per layer of a pass of ``min_tokens``..``max_tokens`` tokens (the decode gr
 
     split table   the home table with the host's experts' rows -1 (the paged kernel
                   then skips them); rewritten with the home table (``update_layer``)
-    active[pos]   1 where the layer has host experts, else 0: the handshake's launches
-                  do nothing then, and the pass costs five empty launches a layer
-    the pass      pack_request, post_request, the GPU's share (paged kernel, split
-                  table), await_reply, add_reply (``rimuru_kernels.handshake``)
+    gate[pos]     the least token count at which the layer splits (``NEVER`` where it
+                  has no host experts): a pass below it runs the home table on the GPU
+                  and its handshake launches do nothing (five empty launches a layer)
+    the pass      pack_request (which also picks the GPU's table: split or home),
+                  post_request, the GPU's share (paged kernel), await_reply, add_reply
+                  (``rimuru_kernels.handshake``)
     host thread   sees the request, reads which experts are its own from the table
                   column the pass packed (so it computes exactly what the table the
                   GPU ran skipped, whatever moved since), computes them from the host
@@ -25,7 +27,23 @@ How, per layer of a pass of ``min_tokens``..``max_tokens`` tokens (the decode gr
 
 Which experts: ``share`` of each layer's offloaded experts (rounded), the ones most
 often routed by the ranking (ties: ranking order), so the host carries reads the GPU
-would otherwise make. Outputs are not bit-equal to the GPU's (other matmul units, and
+would otherwise make.
+
+At which batch sizes (the gates): a layer split at ``T`` tokens takes
+``max(the GPU's share, the host's time)`` instead of the GPU's whole layer, so it pays
+iff the host's time ``h`` is below what the GPU would take for the layer alone. That is
+at least its offloaded reads: ``expert_ms * sum over the layer's offloaded experts of
+(1 - (1 - p) ** T)`` (``p`` a token's probability of routing to it; cost.py's
+``touched``), so a layer splits from the least ``T`` where that exceeds
+``(1 + GATE_MARGIN) * h``. ``h`` is the median of the host's last ``HOST_SAMPLES``
+requests; until it has them (and again every ``REPROBE_S`` without a request, so a gate
+set high does not keep its own evidence from changing) every layer with host
+experts splits from ``min_tokens``. Why (bench/RESULTS.md, thirty-eighth session): on
+an H100 the host took ~9-10 ms a layer request almost whatever its experts, and every
+split step of batch 9-40 took 187-232 ms, the host's floor, where elastic alone took
+118 ms at 9-16; at full batch the same split made steps 1.29-1.41x faster. Without
+``expert_ms`` every layer with host experts splits from ``min_tokens`` (the gates
+of the first server runs). Outputs are not bit-equal to the GPU's (other matmul units, and
 the two shares are summed in fp32 and rounded once): a ``fast``-kind choice.
 
 The host store holds every expert of every layer, whatever is resident, so the host
@@ -59,6 +77,14 @@ MAX_SPINS = 20_000_000
 #: needs the GIL within a layer's time, not the default 5 ms (a Python thread that
 #: holds it keeps it that long before a waiting one runs)
 SWITCH_INTERVAL_S = 0.0002
+#: the host's time a request is the median of this many of its last requests
+HOST_SAMPLES = 32
+#: a layer splits where its offloaded reads take this much longer than the host
+GATE_MARGIN = 0.1
+#: without a host request for this long, the gates open again to measure the host anew
+REPROBE_S = 60.0
+#: the gates are set again when the host's time moves by more than this share
+REGATE_SHARE = 0.1
 
 
 class CpuSplitFailed(RuntimeError):
@@ -79,13 +105,19 @@ class CpuSplit:
 
     def __init__(self, shape: MoEShape, host_store: HostExpertStore, device: torch.device | str, *,
                  share: float, min_tokens: int, max_tokens: int, threads: int,
-                 max_spins: int = MAX_SPINS):
-        from rimuru_kernels.handshake import HostMailbox  # lazy: triton only where it runs
+                 max_spins: int = MAX_SPINS, expert_ms: float | None = None, engine: str = "threads"):
+        """``expert_ms``: the GPU's time to read one offloaded expert in place (its bytes
+        over the measured rate), from which the gates are set; None: split every pass of
+        ``min_tokens``..``max_tokens`` tokens in every layer with host experts. ``engine``:
+        how the host runs its experts (``CpuExperts``)."""
+        from rimuru_kernels.handshake import NEVER, HostMailbox  # lazy: triton only where it runs
 
         if not 0 < share < 1:
             raise ValueError(f"share {share}: a fraction of each layer's offloaded experts, in (0, 1)")
         if not 1 <= min_tokens <= max_tokens:
             raise ValueError(f"tokens {min_tokens}..{max_tokens}: need 1 <= min <= max")
+        if expert_ms is not None and not expert_ms > 0:
+            raise ValueError(f"expert_ms {expert_ms}: the GPU's read time of one expert, > 0")
         if host_store.layer_tensor(shape.layer_ids[0]).shape[2] != shape.inter * shape.hidden:
             raise ValueError("the host store's pages are padded; the host reads unpadded [E, 3, I*H] layers")
         self.shape, self.share = shape, share
@@ -96,11 +128,24 @@ class CpuSplit:
         self.mailbox = HostMailbox(max_tokens=max_tokens, hidden=shape.hidden, top_k=shape.top_k, num_experts=e,
                                    dtype=shape.dtype, device=self.device, pin=pinned_empty)
         self._split = {l: torch.full((e, 3), -1, dtype=torch.int32, device=self.device) for l in shape.layer_ids}
-        self._active = torch.zeros(len(shape.layer_ids), dtype=torch.int32, device=self.device)
+        #: the table the GPU's share ran on in the layer's last pass (pack_request writes it)
+        self._used = {l: torch.full((e, 3), -1, dtype=torch.int32, device=self.device) for l in shape.layer_ids}
+        #: the home tables (the manager's, persistent), given by ``update_layer``
+        self._home: dict[int, torch.Tensor] = {}
+        self._never = NEVER
+        self.expert_ms = expert_ms
+        self._gate = torch.full((len(shape.layer_ids),), NEVER, dtype=torch.int32, device=self.device)
+        self._gates = [NEVER] * len(shape.layer_ids)  # the host's copy of _gate
+        self._out_p: dict[int, list[float]] = {l: [] for l in shape.layer_ids}  # offloaded experts' p
+        #: the host's recent request times (ms; the host thread appends) and their median
+        self._samples: list[float] = []
+        self.host_ms: float | None = None
+        self._gated_with: float | None = None  # the host_ms the gates were last set from
+        self._last_request_at = time.monotonic()
         self._host_experts: dict[int, list[int]] = {l: [] for l in shape.layer_ids}
         self._weights = {l: store_weights(host_store.layer_tensor(l), shape.inter, shape.hidden)
                          for l in shape.layer_ids}
-        self._experts = CpuExperts(threads)
+        self._experts = CpuExperts(threads, engine=engine)
         self._n = dict(requests=0, host_ms=0.0, host_experts=0)
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -111,25 +156,97 @@ class CpuSplit:
     # ------------------------------------------------------------------ tables
 
     def update_layer(self, layer: int, home_rows: Sequence[tuple[int, int, int]], offloaded: Sequence[int],
-                     token_p: Sequence[float]) -> list[int]:
-        """Rewrite ``layer``'s split table from its home rows (called where the home table
-        is rewritten, so both reach the device in the same stream order); return the
-        host's experts."""
+                     token_p: Sequence[float], home: torch.Tensor) -> list[int]:
+        """Rewrite ``layer``'s split table from its home rows, and its gate (called where
+        the home table is rewritten, so both reach the device in the same stream order);
+        return the host's experts. ``home``: the layer's home table on the device (the
+        persistent tensor the GPU's share runs on when the layer does not split)."""
         mine = choose_host_experts(offloaded, token_p, self.share)
         own = set(mine)
         rows = [(-1, -1, -1) if x in own else tuple(r) for x, r in enumerate(home_rows)]
         if any(-1 in r for x, r in enumerate(rows) if x not in own):
             raise ValueError(f"layer {layer}: home rows with -1 outside the host's experts (no host reads?)")
-        pos = self.shape.position(layer)
+        if home.shape != self._split[layer].shape or home.dtype != torch.int32 or home.device != self.device:
+            raise ValueError(f"layer {layer}: home table {tuple(home.shape)} {home.dtype} on {home.device}, "
+                             f"expected {tuple(self._split[layer].shape)} int32 on {self.device}")
         src = torch.tensor(rows, dtype=torch.int32)
-        flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
-        cuda = self.device.type == "cuda"
-        if cuda:  # pinned + async: a pageable copy would wait for the running pass
-            src, flag = src.pin_memory(), flag.pin_memory()
-        self._split[layer].copy_(src, non_blocking=cuda)
-        self._active[pos:pos + 1].copy_(flag, non_blocking=cuda)
+        if self._cuda:  # pinned + async: a pageable copy would wait for the running pass
+            src = src.pin_memory()
+        self._split[layer].copy_(src, non_blocking=self._cuda)
+        self._home[layer] = home
         self._host_experts[layer] = mine
+        self._out_p[layer] = [float(token_p[x]) for x in offloaded]
+        self._set_gates([layer])
         return mine
+
+    # ------------------------------------------------------------------ the gates
+
+    @property
+    def threads(self) -> int:
+        """The host's threads on the experts (the forked engine's: torch's inter-op pool)."""
+        return self._experts.threads
+
+    @property
+    def _cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def gate_for(self, layer: int) -> int:
+        """The least token count at which ``layer`` splits now (``NEVER``: it does not),
+        from its host experts, its offloaded experts' probabilities and ``host_ms``."""
+        if not self._host_experts[layer]:
+            return self._never
+        if self.expert_ms is None or self.host_ms is None:
+            return self.min_tokens
+        need = (1.0 + GATE_MARGIN) * self.host_ms
+        ps = self._out_p[layer]
+
+        def pays(t: int) -> bool:
+            return self.expert_ms * sum(1.0 - (1.0 - p) ** t for p in ps) > need
+
+        lo, hi = self.min_tokens, self.max_tokens
+        if not pays(hi):
+            return self._never
+        while lo < hi:  # the reads grow with t: the least t that pays
+            mid = (lo + hi) // 2
+            if pays(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def gates(self) -> list[int]:
+        """Each layer's gate (forward order), as last written to the device."""
+        return list(self._gates)
+
+    def _set_gates(self, layers: Sequence[int]) -> None:
+        """Write the gates of ``layers`` (stream order: before the next pass)."""
+        changed = False
+        for l in layers:
+            g = self.gate_for(l)
+            pos = self.shape.position(l)
+            changed |= g != self._gates[pos]
+            self._gates[pos] = g
+        if changed:
+            src = torch.tensor(self._gates, dtype=torch.int32)
+            if self._cuda:
+                src = src.pin_memory()
+            self._gate.copy_(src, non_blocking=self._cuda)
+
+    def regate(self) -> None:
+        """Before a pass (the scheduler's thread): set the gates again where the host's
+        time moved, and open them to measure it anew when no request came for
+        ``REPROBE_S``."""
+        if self.expert_ms is None:
+            return
+        if (self.host_ms is not None and time.monotonic() - self._last_request_at > REPROBE_S
+                and any(self._host_experts.values())):
+            self._samples, self.host_ms = [], None  # the host thread refills them
+            self._last_request_at = time.monotonic()
+        h, last = self.host_ms, self._gated_with
+        if h == last or (h is not None and last is not None and abs(h - last) <= REGATE_SHARE * last):
+            return
+        self._gated_with = h
+        self._set_gates(self.shape.layer_ids)
 
     def split_table(self, layer: int) -> torch.Tensor:
         return self._split[layer]
@@ -158,13 +275,15 @@ class CpuSplit:
 
         if self._thread is None:
             raise CpuSplitFailed("the CPU split's host thread is not running (call start())")
-        pos, table, T = self.shape.position(layer), self._split[layer], x.shape[0]
+        if layer not in self._home:
+            raise CpuSplitFailed(f"layer {layer} has no home table yet (attach the split to the manager)")
+        pos, used, T = self.shape.position(layer), self._used[layer], x.shape[0]
         mb = self.mailbox
-        pack_request(mb, x, topk_ids, topk_weights, table, self._active, pos)
-        post_request(mb, self._active, pos, layer, T)
-        gpu = gpu_compute(table)
-        await_reply(mb, self._active, pos, self.max_spins)
-        return add_reply(mb, gpu, self._active, pos)
+        pack_request(mb, x, topk_ids, topk_weights, self._split[layer], self._home[layer], used, self._gate, pos)
+        post_request(mb, self._gate, pos, layer, T)
+        gpu = gpu_compute(used)
+        await_reply(mb, self._gate, pos, T, self.max_spins)
+        return add_reply(mb, gpu, self._gate, pos)
 
     # ------------------------------------------------------------------ the host side
 
@@ -198,8 +317,13 @@ class CpuSplit:
         mb = self.mailbox
         mine = torch.nonzero(mb.table == -1).reshape(-1)
         self._experts(mb.x[:T], mb.ids[:T], mb.weights[:T], self._weights[layer], mine, out=mb.part[:T])
-        self._n["host_ms"] += (time.perf_counter() - t0) * 1e3
+        ms = (time.perf_counter() - t0) * 1e3
+        self._n["host_ms"] += ms
         self._n["requests"] += 1
+        self._samples = (self._samples + [ms])[-HOST_SAMPLES:]  # a new list: the scheduler may read it
+        if len(self._samples) == HOST_SAMPLES:
+            self.host_ms = sorted(self._samples)[HOST_SAMPLES // 2]
+        self._last_request_at = time.monotonic()
         self._n["host_experts"] += int(mine.numel())
         f[REPLY] = n  # after the part's stores (x86 keeps store order); the device then reads it
         self._last = n
@@ -235,8 +359,9 @@ class CpuSplit:
 
     def stats(self) -> dict[str, float]:
         """Requests served (one per layer of a split pass whose layer had host experts),
-        the host's mean ms and experts a request."""
+        the host's mean ms and experts a request, and the median the gates use (None
+        until measured)."""
         n = dict(self._n)
         r = max(1, n["requests"])
         return dict(requests=n["requests"], host_ms_per_request=n["host_ms"] / r,
-                    host_experts_per_request=n["host_experts"] / r)
+                    host_experts_per_request=n["host_experts"] / r, host_ms=self.host_ms)

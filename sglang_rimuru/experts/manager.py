@@ -504,7 +504,7 @@ class ExpertManager:
             self._offloaded_now[l] = self.residency.offloaded(l)
             self._table_version[l] = v
             if self.cpu_split is not None:  # its split table follows the home table, same stream order
-                self.cpu_split.update_layer(l, rows, self._offloaded_now[l], self._token_p[l])
+                self.cpu_split.update_layer(l, rows, self._offloaded_now[l], self._token_p[l], self._tables[l])
 
     def attach_cpu_split(self, split) -> None:
         """Keep ``split``'s tables (``cpu_split.CpuSplit``) beside the home tables from now on."""
@@ -512,7 +512,7 @@ class ExpertManager:
             raise ValueError("the CPU split needs host reads: its table keeps every other offloaded row readable")
         self.cpu_split = split
         for l in self.shape.layer_ids:
-            split.update_layer(l, self._home_rows[l], self._offloaded_now[l], self._token_p[l])
+            split.update_layer(l, self._home_rows[l], self._offloaded_now[l], self._token_p[l], self._tables[l])
 
     def offloaded_max_p(self, layer_id: int | None = None) -> float:
         """The largest per-token routing probability (the ranking's, scaled to ``top_k``

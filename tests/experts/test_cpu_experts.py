@@ -40,14 +40,15 @@ def native(w13, w2, x, w, ids, only=None) -> torch.Tensor:
     return moe_forward_native(stub, x, (w, ids, None), SILU)
 
 
+@pytest.mark.parametrize("engine", ["threads", "forked"])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("T, k, E, I, H", CASES)
-def test_all_experts_is_sglangs_native_bit_for_bit(T, k, E, I, H, threads) -> None:
+def test_all_experts_is_sglangs_native_bit_for_bit(T, k, E, I, H, threads, engine) -> None:
     g = torch.Generator().manual_seed(T * 1000 + E)
     w13, w2, store = layer(E, I, H, g)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     w, ids = route(T, E, k, g)
-    cpu = CpuExperts(threads)
+    cpu = CpuExperts(threads, engine=engine)
     try:
         got = cpu(x, ids, w, store_weights(store, I, H), range(E))
     finally:
@@ -134,4 +135,48 @@ def test_fewer_experts_than_threads_are_cut_into_row_pieces(T, k, E, I, H, exper
         many.close()
     assert sorted(calls) == sorted(experts)  # one weights() lookup an expert, whatever the pieces
     assert torch.equal(got, CpuExperts(1)(x, ids, w, weights, experts))
+    whole = CpuExperts(4, pieces=False)  # one expert a thread, three threads idle
+    try:
+        assert torch.equal(got, whole(x, ids, w, weights, experts))
+    finally:
+        whole.close()
     assert torch.equal(got, native(w13, w2, x, w, ids, only=experts))
+
+
+def test_forked_experts_run_while_a_python_thread_holds_the_gil() -> None:
+    """The forked engine's experts run on torch's inter-op pool with the GIL released:
+    a request finishes while another Python thread keeps taking the GIL, and equals the
+    threads engine's bits. (Its speed is bench/device/cpu_split_host.py's question.)"""
+    import sys
+    import threading
+
+    E, I, H, T, k = 8, 64, 128, 24, 2
+    g = torch.Generator().manual_seed(11)
+    w13, w2, store = layer(E, I, H, g)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    w, ids = route(T, E, k, g)
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0002)
+    other = threading.Thread(target=busy, daemon=True)
+    other.start()
+    forked = CpuExperts(2, engine="forked")
+    try:
+        got = forked(x, ids, w, store_weights(store, I, H), [1, 4, 6])
+    finally:
+        stop.set()
+        other.join()
+        sys.setswitchinterval(interval)
+        forked.close()
+    assert torch.equal(got, CpuExperts(1)(x, ids, w, store_weights(store, I, H), [1, 4, 6]))
+    assert torch.equal(got, native(w13, w2, x, w, ids, only=[1, 4, 6]))
+
+
+def test_an_unknown_engine_is_refused() -> None:
+    with pytest.raises(ValueError, match="engine 'gpu': one of forked, threads"):
+        CpuExperts(2, engine="gpu")

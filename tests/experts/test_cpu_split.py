@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from sglang_rimuru.experts.cpu_experts import CpuExperts, store_weights
-from sglang_rimuru.experts.cpu_split import CpuSplit, CpuSplitFailed, choose_host_experts
+from sglang_rimuru.experts.cpu_split import (GATE_MARGIN, HOST_SAMPLES, REPROBE_S, CpuSplit, CpuSplitFailed,
+                                             choose_host_experts)
 
 from .rig import host_row, make_rig, tiny_shape
 from .test_compute import _interpreter_only, route
@@ -27,9 +28,94 @@ def test_choose_takes_the_most_routed_share_of_the_offloaded() -> None:
     assert choose_host_experts([0, 1, 2], p, 0.5) == [0, 2]  # 1.5 rounds half up
 
 
-def _split(rig, share=0.5, min_tokens=1, max_tokens=16, threads=2, max_spins=2_000_000) -> CpuSplit:
+NEVER = 1 << 30  # rimuru_kernels.handshake.NEVER (imported lazily there: triton)
+
+
+def _split(rig, share=0.5, min_tokens=1, max_tokens=16, threads=2, max_spins=2_000_000, expert_ms=None,
+           engine="threads") -> CpuSplit:
     return CpuSplit(rig.shape, rig.host, "cpu", share=share, min_tokens=min_tokens, max_tokens=max_tokens,
-                    threads=threads, max_spins=max_spins)
+                    threads=threads, max_spins=max_spins, expert_ms=expert_ms, engine=engine)
+
+
+def _least_paying(expert_ms, ps, host_ms, lo, hi):
+    """The gate by its definition, counted up one token at a time."""
+    for t in range(lo, hi + 1):
+        if expert_ms * sum(1 - (1 - p) ** t for p in ps) > (1 + GATE_MARGIN) * host_ms:
+            return t
+    return NEVER
+
+
+def test_gates_open_where_the_offloaded_reads_outlast_the_host() -> None:
+    """Without a measured host time every layer with host experts splits from min_tokens;
+    with one, from the least batch whose expected offloaded reads take longer than the
+    host (plus the margin), or never; the host's median of its last requests decides."""
+    pytest.importorskip("triton")
+    rig = make_rig(limit=4)  # layer 0 offloads 2, 7, 6; layer 1 offloads 2, 1, 0 (rig.py)
+    m = rig.manager
+    split = _split(rig, share=0.34, min_tokens=2, max_tokens=64, expert_ms=0.5)
+    m.attach_cpu_split(split)
+    assert split.host_ms is None and split.gates() == [2, 2]
+    ps = {l: [m._token_p[l][e] for e in rig.residency.offloaded(l)] for l in (0, 1)}
+    # three offloaded experts a layer can take at most 1.5 ms a layer: a 1.0 ms host pays
+    # from some batch, a 1.4 ms host (1.54 with the margin) never
+    split._samples = [9.0] * (HOST_SAMPLES // 2) + [1.0] * (HOST_SAMPLES // 2 + 1)  # the median, not the mean
+    split.host_ms = sorted(split._samples)[len(split._samples) // 2]
+    assert split.host_ms == 1.0
+    split.regate()
+    want = [_least_paying(0.5, ps[l], 1.0, 2, 64) for l in (0, 1)]
+    assert split.gates() == want and split._gate.tolist() == want
+    assert all(2 < g <= 64 for g in want)
+    split.host_ms = 1.4
+    split.regate()
+    assert split.gates() == [NEVER, NEVER]
+    # a change within REGATE_SHARE leaves the gates alone (no copy a pass)
+    split.host_ms = 1.0
+    split.regate()
+    split.host_ms = 1.05
+    split.regate()
+    assert split.gates() == want
+    # an eviction moves the layer's reads, so its gate: more offloaded experts open it sooner
+    rig.residency.evict(0, 5)
+    m.refresh_tables()
+    ps0 = [m._token_p[0][e] for e in rig.residency.offloaded(0)]
+    assert split.gates()[0] == _least_paying(0.5, ps0, split.host_ms, 2, 64) <= want[0]  # (1.05 ms now)
+
+
+def test_closed_gates_open_again_to_measure_the_host() -> None:
+    pytest.importorskip("triton")
+    rig = make_rig(limit=4)
+    split = _split(rig, share=0.34, min_tokens=2, max_tokens=64, expert_ms=0.5)
+    rig.manager.attach_cpu_split(split)
+    split.host_ms = 50.0  # a slow host: no batch pays
+    split.regate()
+    assert split.gates() == [NEVER, NEVER]
+    split._last_request_at -= REPROBE_S + 1  # no request since
+    split.regate()
+    assert split.host_ms is None and split.gates() == [2, 2]  # open, so the next passes measure it
+
+
+def test_the_host_thread_keeps_the_median_of_its_last_requests() -> None:
+    _interpreter_only("CUDA present")
+    rig = make_rig(tiny_shape(E=8, I=16, H=32, k=2), limit=3, resident=5, gates="random")
+    m = rig.manager
+    split = _split(rig, share=0.67, expert_ms=0.5)
+    m.attach_cpu_split(split)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 32, generator=g).to(torch.bfloat16)
+    w, ids = route(3, 8, 2, g)
+    mb = split.mailbox
+    mb.x[:3].copy_(x)
+    mb.ids[:3].copy_(ids)
+    mb.weights[:3].copy_(w)
+    mb.table.copy_(split.split_table(0)[:, 0])
+    for n in range(1, HOST_SAMPLES + 1):
+        assert split.host_ms is None
+        mb.flags[2] = (0 << 16) | 3
+        mb.flags[0] = n
+        assert split.serve_once() and int(mb.flags[1]) == n
+    assert split.host_ms == sorted(split._samples)[HOST_SAMPLES // 2] and len(split._samples) == HOST_SAMPLES
+    assert not split.serve_once()  # nothing new posted
+    split.close()
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -45,7 +131,7 @@ def test_split_tables_follow_the_home_tables() -> None:
         home, table = m.table(l).tolist(), split.split_table(l).tolist()
         assert table[2] == [-1, -1, -1]
         assert [r for e, r in enumerate(table) if e != 2] == [r for e, r in enumerate(home) if e != 2]
-    assert split._active.tolist() == [1, 1]
+    assert split.gates() == [1, 1]  # no expert_ms: every layer with host experts splits from min_tokens
     # layer 0 evicts expert 5 (ranked above 2): the host's expert moves to it at the next refresh
     rig.residency.evict(0, 5)
     assert split.host_experts(0) == [2]  # tables move only between passes
@@ -101,7 +187,8 @@ def test_a_layer_with_nothing_offloaded_is_inactive() -> None:
     rig = make_rig(limit=3, resident=8, pages=96)  # every expert resident
     split = _split(rig)
     rig.manager.attach_cpu_split(split)
-    assert split.host_experts(0) == [] and split.host_counts() == [0, 0] and split._active.tolist() == [0, 0]
+    assert split.host_experts(0) == [] and split.host_counts() == [0, 0]
+    assert split.gates() == [NEVER, NEVER] and split._gate.tolist() == [NEVER, NEVER]
     assert torch.equal(split.split_table(0), rig.manager.table(0))
 
 
@@ -146,13 +233,14 @@ def _layer_reference(rig, split, layer, x, w, ids):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("engine", ["threads", "forked"])
 @pytest.mark.parametrize("T", [1, 7])
-def test_a_split_layer_is_the_gpus_share_plus_the_hosts(T) -> None:
+def test_a_split_layer_is_the_gpus_share_plus_the_hosts(T, engine) -> None:
     _interpreter_only("CUDA present: the server runs cover the split on the GPU")
     E, I, H, k = 8, 16, 32, 2
     rig = make_rig(tiny_shape(E=E, I=I, H=H, k=k), limit=3, resident=5, gates="random", fragment=True)
     m = rig.manager
-    split = _split(rig, share=0.67)  # two of three offloaded a layer
+    split = _split(rig, share=0.67, engine=engine)  # two of three offloaded a layer
     m.attach_cpu_split(split)
     split.start()
     try:
@@ -198,6 +286,40 @@ def test_an_inactive_layer_skips_the_host() -> None:
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_pass_below_the_gate_runs_every_expert_on_the_gpu() -> None:
+    """A layer with host experts whose gate the pass does not reach: no request, and the
+    GPU's share runs the home table (every offloaded expert read in place), not the split
+    table (which would drop the host's experts); the same layer at its gate splits."""
+    _interpreter_only("CUDA present")
+    E, H, k = 8, 32, 2
+    rig = make_rig(tiny_shape(E=E, I=16, H=H, k=k), limit=3, resident=5, gates="random", fragment=True)
+    m = rig.manager
+    split = _split(rig, share=0.67, min_tokens=1, max_tokens=16)
+    m.attach_cpu_split(split)
+    split.start()
+    try:
+        g = torch.Generator().manual_seed(6)
+        T = 3
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        w, ids = route(T, E, k, g)
+        ids[:, 0] = split.host_experts(0)[0]
+        gpu = lambda t: m.compute_cuda(0, x, w, ids, t, absent_is_zero=True)  # noqa: E731
+        split._gates[0] = T + 1  # as regate would: this pass is below layer 0's gate
+        split._gate[0] = T + 1
+        got = split.forward(0, x, w, ids, gpu)
+        assert torch.equal(got, m.compute_cuda(0, x, w, ids, m.table(0)))
+        assert torch.equal(split._used[0], m.table(0))
+        assert split.stats()["requests"] == 0 and int(split.mailbox.flags[0]) == 0
+        split._gate[0] = T  # at the gate: split
+        got = split.forward(0, x, w, ids, gpu)
+        assert torch.equal(split._used[0], split.split_table(0))
+        assert torch.equal(got, _layer_reference(rig, split, 0, x, w, ids)[0])
+        assert split.stats()["requests"] == 1
+    finally:
+        split.close()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_a_dead_host_thread_is_reported_not_hung() -> None:
     _interpreter_only("CUDA present")
     rig = make_rig(tiny_shape(E=8, I=16, H=32, k=2), limit=3, resident=5, gates="random")
@@ -232,7 +354,8 @@ def test_forward_before_start_is_an_error() -> None:
 def test_split_layers_in_a_cuda_graph(T) -> None:
     """Both layers split inside one captured graph, replayed on new inputs: each layer is
     the GPU's share plus the host's (rounded to nearest on a GPU), and close to the layer
-    with every offloaded expert read in place."""
+    with every offloaded expert read in place; with the gates raised above the graph's
+    batch the same graph splits nothing."""
     from rimuru_kernels.handshake import add_reply_reference
 
     from sglang_rimuru.experts import ExpertManager, HostExpertStore
@@ -247,7 +370,8 @@ def test_split_layers_in_a_cuda_graph(T) -> None:
     buf = PoolBuffer(rig.buffer.geometry, "cuda", zero=True)
     m = ExpertManager(shape, buf, rig.residency, host, rig.buffers, None, "cuda")
     m.upload_resident()
-    split = CpuSplit(shape, host, "cuda", share=0.67, min_tokens=1, max_tokens=64, threads=2).start()
+    split = CpuSplit(shape, host, "cuda", share=0.67, min_tokens=1, max_tokens=64, threads=2,
+                     engine="forked").start()  # the server's default engine
     m.attach_cpu_split(split)
     torch.cuda.synchronize()
     g = torch.Generator().manual_seed(T)
@@ -293,5 +417,15 @@ def test_split_layers_in_a_cuda_graph(T) -> None:
                 whole = m.compute_cuda(l, xs[j], ws[j], ids[j], m.table(l)).float().cpu()
                 assert (outs[l].float().cpu() - whole).abs().max() <= 0.02 * whole.abs().max() + 1e-3
         assert split.stats()["requests"] == 2 * 4  # the eager step and 3 replays (a capture runs nothing)
+        # the same graph with both gates above its batch: read at replay, so no layer splits,
+        # the host gets nothing and each layer is the GPU's over its home table
+        split._gate.fill_(T + 1)
+        fill()
+        graph.replay()
+        torch.cuda.synchronize()
+        split.check()
+        for j, l in enumerate(shape.layer_ids):
+            assert torch.equal(outs[l], m.compute_cuda(l, xs[j], ws[j], ids[j], m.table(l)))
+        assert split.stats()["requests"] == 2 * 4
     finally:
         split.close()

@@ -100,9 +100,13 @@ PCIE_ENV = "SGLANG_RIMURU_PCIE_GBPS"
 
 
 def _in_place_read_gbps(device) -> float:
-    """What an in-place read of host pages moves per second here: a pinned 64 MiB
-    host->device copy timed three times, scaled by what in-place reads reached on
-    the H200. CPU: a nominal 50 GB/s (nothing crosses PCIe there). ``PCIE_ENV`` overrides."""
+    """What an in-place read of host pages moves per second here: the fastest of five
+    timings of three pinned 64 MiB host->device copies, scaled by what in-place reads
+    reached on the H200. CPU: a nominal 50 GB/s (nothing crosses PCIe there).
+    ``PCIE_ENV`` overrides. The fastest, because the probe's error is one-sided: one
+    timing on an H100 read 34.6 GB/s where two later starts on the same machine read 51
+    (bench/RESULTS.md, thirty-eighth session), and the cost-aware adjuster then priced
+    every read 1.48x dearer for the whole run."""
     override = os.environ.get(PCIE_ENV)
     if override is not None:
         try:
@@ -119,12 +123,15 @@ def _in_place_read_gbps(device) -> float:
     dev = torch.empty(n, dtype=torch.uint8, device=device)
     dev.copy_(host, non_blocking=True)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        dev.copy_(host, non_blocking=True)
-    end.record()
-    end.synchronize()
-    return IN_PLACE_SHARE * 3 * n / (start.elapsed_time(end) * 1e6)
+    best_ms = float("inf")
+    for _ in range(5):
+        start.record()
+        for _ in range(3):
+            dev.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best_ms = min(best_ms, start.elapsed_time(end))
+    return IN_PLACE_SHARE * 3 * n / (best_ms * 1e6)
 
 
 def _range(counts) -> str:
@@ -367,13 +374,18 @@ class RimuruRuntime:
             # each host thread runs its experts' matmuls alone: torch's own intra-op team inside
             # every small matmul halved the host's rate (cpu_experts.py); process-wide
             torch.set_num_threads(1)
+        # the GPU's read time of one offloaded expert: what a layer's split must beat (the gates)
+        expert_ms = manager.shape.expert_bytes / (_in_place_read_gbps(device) * 1e6)
         split = CpuSplit(manager.shape, host, device, share=config.cpu_experts, min_tokens=config.cpu_min_tokens,
-                         max_tokens=config.cpu_max_tokens, threads=threads)
+                         max_tokens=config.cpu_max_tokens, threads=threads, expert_ms=expert_ms,
+                         engine=config.cpu_engine)
         manager.attach_cpu_split(split)
         split.start()
-        logger.info("sglang-rimuru CPU split: %.2f of each layer's offloaded experts on %d host threads in passes "
-                    "of %d-%d tokens (now %s a layer); torch intra-op threads %d", config.cpu_experts, threads,
-                    config.cpu_min_tokens, config.cpu_max_tokens, _range(split.host_counts()), torch.get_num_threads())
+        logger.info("sglang-rimuru CPU split: %.2f of each layer's offloaded experts on %d host threads (%s) in "
+                    "passes of %d-%d tokens (now %s a layer); a layer splits from the batch at which its offloaded "
+                    "experts' reads (%.3f ms an expert) take longer than the host's measured time; torch "
+                    "intra-op threads %d", config.cpu_experts, split.threads, config.cpu_engine, config.cpu_min_tokens,
+                    config.cpu_max_tokens, _range(split.host_counts()), expert_ms, torch.get_num_threads())
         return split
 
     def check_cpu_split(self) -> None:
@@ -384,6 +396,7 @@ class RimuruRuntime:
         if self.manager.cpu_split is not self.cpu_split:
             raise CpuSplitFailed("the CPU split's tables no longer follow the expert manager's (detached)")
         self.cpu_split.check()
+        self.cpu_split.regate()
 
     @staticmethod
     def _sglang_layout(config: RimuruConfig) -> bool:
@@ -597,9 +610,14 @@ class RimuruRuntime:
         )
         if self.cpu_split is not None:
             cs = self.cpu_split.stats()
+            gates = [g for g in self.cpu_split.gates() if g < self.cpu_split.max_tokens + 1]
             logger.info("sglang-rimuru CPU split: %d layer requests served, %.2f ms and %.1f experts a request "
-                        "on the host; host experts a layer now %s", cs["requests"], cs["host_ms_per_request"],
-                        cs["host_experts_per_request"], _range(self.cpu_split.host_counts()))
+                        "on the host (recent median %s); host experts a layer now %s; %d of %d layers "
+                        "split, from %s tokens", cs["requests"], cs["host_ms_per_request"],
+                        cs["host_experts_per_request"],
+                        "not yet measured" if cs["host_ms"] is None else f"{cs['host_ms']:.2f} ms",
+                        _range(self.cpu_split.host_counts()), len(gates), len(self.cpu_split.gates()),
+                        _range(gates) if gates else "-")
 
     def prefill_graph_may_replay(self, num_tokens: int) -> bool:
         """Whether a captured prefill pass of ``num_tokens`` tokens may replay.
