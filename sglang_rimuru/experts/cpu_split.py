@@ -166,7 +166,8 @@ class CpuSplit:
         rows = [(-1, -1, -1) if x in own else tuple(r) for x, r in enumerate(home_rows)]
         if any(-1 in r for x, r in enumerate(rows) if x not in own):
             raise ValueError(f"layer {layer}: home rows with -1 outside the host's experts (no host reads?)")
-        if home.shape != self._split[layer].shape or home.dtype != torch.int32 or home.device != self.device:
+        # (device types only: a table made on "cuda" lives on "cuda:0", which is not equal to "cuda")
+        if home.shape != self._split[layer].shape or home.dtype != torch.int32 or home.device.type != self.device.type:
             raise ValueError(f"layer {layer}: home table {tuple(home.shape)} {home.dtype} on {home.device}, "
                              f"expected {tuple(self._split[layer].shape)} int32 on {self.device}")
         src = torch.tensor(rows, dtype=torch.int32)
