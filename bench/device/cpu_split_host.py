@@ -10,8 +10,8 @@ experts than threads, the same 4 experts took 3.84-4.13 ms. This times
 ``CpuSplit.serve_once``'s work (``CpuExperts`` over the layer's host experts, reading a
 host-store layer tensor in place, into the mailbox's part) at the serving shape, per
 request: by expert count (4, 8, 14, 28), on each engine (``forked``: TorchScript
-tasks on torch's inter-op pool; ``threads``: Python threads, with and without the row
-pieces), at the server's thread count (the host's cores less two), alone and beside a
+tasks on torch's inter-op pool; ``threads``: Python threads), each with and without the
+row pieces, at the server's thread count (the host's cores less two), alone and beside a
 Python thread that
 holds the GIL whenever it can (the scheduler's at its busiest; the server's switch
 interval, ``SWITCH_INTERVAL_S``); and the routing and combine
@@ -89,7 +89,7 @@ def main() -> None:
     for n in [int(v) for v in args.experts.split(",")]:
         experts = list(range(n))
         pairs = int(torch.isin(ids, torch.tensor(experts, dtype=torch.int32)).sum())
-        for engine, pieces in (("forked", False), ("threads", True), ("threads", False)):
+        for engine, pieces in (("forked", False), ("forked", True), ("threads", True), ("threads", False)):
             for contended in (False, True):
                 cpu = CpuExperts(args.threads, pieces=pieces, engine=engine)
                 stop = threading.Event()

@@ -29,10 +29,13 @@ a Python thread needs the GIL back after each of the dozen torch calls an expert
 and in the server it shares the GIL with fourteen such threads, the host thread and the
 scheduler's; on this project's 2-core machine (``bench/device/cpu_split_host.py``) a
 Python thread that holds the GIL whenever it can (at the server's 0.2 ms switch interval)
-made a 4-expert request 6-8x slower on threads (6.7 -> 41-54 ms) and 1.7x on forks (6.6
--> 11.2 ms, the two sharing two cores); on the device's 16-core host the server's host
-took ~9-10 ms a request whatever its experts (bench/RESULTS.md, thirty-eighth session).
-Same ops, same bits as ``threads``.
+made Qwen1.5 requests of 4 and 8 experts at 128 tokens 6x and 5x slower on threads (7.6 ->
+45-47 ms, 13.8 -> 70) and 2x on forks (7.4 -> 14.7 ms, 14.3 -> 25.7: three threads on two
+cores), with the routing and combine inside the one TorchScript call. On the device's
+16-core host the server's host took ~9-10 ms a request whatever its experts
+(bench/RESULTS.md, thirty-eighth session).
+Same ops, same bits as ``threads``. Row pieces (below) are there too, off by default
+on this engine until measured on the device's host.
 
 ``threads``: experts are dealt round-robin to ``threads`` Python threads, each running
 its matmuls (torch releases the GIL inside them). With fewer experts than threads
@@ -58,7 +61,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 from collections.abc import Callable, Sequence
-from typing import List
+from typing import List, Tuple
 
 import torch
 from torch.nn import functional as F
@@ -108,10 +111,54 @@ def _experts_forked(xs: List[torch.Tensor], w13s: List[torch.Tensor],
     return [torch.jit.wait(f) for f in futures]
 
 
+def _cuts(rows: int, n: int) -> List[Tuple[int, int]]:
+    """``rows`` in ``n`` ranges of whole 16-row blocks (fewer where they run out)."""
+    step = (rows + n - 1) // n
+    step = (step + 15) // 16 * 16
+    out: List[Tuple[int, int]] = []
+    for a in range(0, rows, step):
+        out.append((a, min(rows, a + step)))
+    return out
+
+
+def _up_piece(x: torch.Tensor, w13: torch.Tensor, a: int, b: int, inter: int) -> torch.Tensor:
+    """Rows a..b of one expert's SiLU(gate) * up (W1's and W3's same rows)."""
+    return F.silu(F.linear(x, w13[a:b])) * F.linear(x, w13[inter + a:inter + b])
+
+
+def _down_piece(act: torch.Tensor, w2: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    return F.linear(act, w2[a:b])
+
+
+def _experts_in_pieces(xs: List[torch.Tensor], w13s: List[torch.Tensor], w2s: List[torch.Tensor],
+                       n: int, inter: int, hidden: int) -> List[torch.Tensor]:
+    """``CpuExperts._pieces`` as forks: every expert's gate/up in ``n`` row pieces, then,
+    with each expert's activations whole, its down in ``n`` pieces of W2's rows."""
+    up_cuts, down_cuts = _cuts(inter, n), _cuts(hidden, n)
+    ups: List[torch.jit.Future[torch.Tensor]] = []
+    for i in range(len(xs)):
+        for c in up_cuts:
+            ups.append(torch.jit.fork(_up_piece, xs[i], w13s[i], c[0], c[1], inter))
+    acts: List[torch.Tensor] = []
+    for i in range(len(xs)):
+        acts.append(torch.cat([torch.jit.wait(ups[i * len(up_cuts) + j]) for j in range(len(up_cuts))], dim=1))
+    downs: List[torch.jit.Future[torch.Tensor]] = []
+    for i in range(len(xs)):
+        for c in down_cuts:
+            downs.append(torch.jit.fork(_down_piece, acts[i], w2s[i], c[0], c[1]))
+    ys: List[torch.Tensor] = []
+    for i in range(len(xs)):
+        ys.append(torch.cat([torch.jit.wait(downs[i * len(down_cuts) + j]) for j in range(len(down_cuts))],
+                            dim=1))
+    return ys
+
+
 def _layer_forked(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: torch.Tensor,
-                  experts: torch.Tensor, inter: int, hidden: int) -> torch.Tensor:
+                  experts: torch.Tensor, inter: int, hidden: int, threads: int, pieces: bool) -> torch.Tensor:
     """A whole request from a store layer tensor: ``CpuExperts.routed``, one forked task an
-    expert, and ``CpuExperts._combine``, op for op, so one call holds the GIL once."""
+    expert (with ``pieces`` and fewer routed experts than ``threads``: row pieces, as
+    ``CpuExperts._pieces``), and ``CpuExperts._combine``, op for op, so one call holds the
+    GIL once."""
     T, k = topk_ids.shape[0], topk_ids.shape[1]
     flat = topk_ids.reshape(-1).long()
     slots = torch.nonzero(torch.isin(flat, experts.long())).reshape(-1)
@@ -124,13 +171,18 @@ def _layer_forked(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     uniq, counts = torch.unique_consecutive(ids, return_counts=True)
     sizes: List[int] = counts.tolist()
     parts = torch.split(slots, sizes)
-    futures: List[torch.jit.Future[torch.Tensor]] = []
+    xs: List[torch.Tensor] = []
+    w13s: List[torch.Tensor] = []
+    w2s: List[torch.Tensor] = []
     for i in range(len(parts)):
         e = int(uniq[i])
-        w13 = layer[e, 0:2].view(2 * inter, hidden)
-        w2 = layer[e, 2].view(hidden, inter)
-        futures.append(torch.jit.fork(_one_expert, x[parts[i] // k], w13, w2))
-    ys = [torch.jit.wait(f) for f in futures]
+        xs.append(x[parts[i] // k])
+        w13s.append(layer[e, 0:2].view(2 * inter, hidden))
+        w2s.append(layer[e, 2].view(hidden, inter))
+    if pieces and len(xs) < threads:
+        ys = _experts_in_pieces(xs, w13s, w2s, (threads + len(xs) - 1) // len(xs), inter, hidden)
+    else:
+        ys = _experts_forked(xs, w13s, w2s)
     y = torch.cat(ys)
     w = topk_weights.reshape(-1)
     for j in range(k):
@@ -172,17 +224,18 @@ def _size_interop_pool(threads: int) -> int:
 class CpuExperts:
     """One MoE layer's contribution from a set of experts, on the host's CPUs."""
 
-    def __init__(self, threads: int = 1, pieces: bool = True, engine: str = "threads"):
-        """``pieces``: cut experts into row pieces when there are fewer than threads
-        (``_pieces``, ``threads`` engine); False: one expert a thread whatever the count.
-        ``engine``: ``threads`` (Python threads) or ``forked`` (TorchScript forks on
-        torch's inter-op pool, sized to ``threads``; one expert a task, no pieces)."""
+    def __init__(self, threads: int = 1, pieces: bool | None = None, engine: str = "threads"):
+        """``engine``: ``threads`` (Python threads) or ``forked`` (TorchScript forks on
+        torch's inter-op pool, sized to ``threads``). ``pieces``: cut experts into row
+        pieces when there are fewer than threads (``_pieces``); False: one expert a task
+        whatever the count; None: the engine's default (threads: on, as measured in
+        serving; forked: off, until ``bench/device/cpu_split_host.py`` says otherwise)."""
         if threads < 1:
             raise ValueError(f"threads={threads}: at least one")
         if engine not in ENGINES:
             raise ValueError(f"engine {engine!r}: one of {', '.join(ENGINES)}")
         self.threads = threads
-        self.pieces = pieces
+        self.pieces = (engine == "threads") if pieces is None else pieces
         self.engine = engine
         if engine == "forked":
             self.threads = _size_interop_pool(threads)
@@ -220,7 +273,7 @@ class CpuExperts:
             # the whole request in one TorchScript call: the GIL taken once, not per op
             acc = _scripted(_layer_forked)(x, topk_ids, topk_weights, weights.layer,
                                            torch.as_tensor(experts, dtype=torch.long).reshape(-1),
-                                           weights.inter, weights.hidden)
+                                           weights.inter, weights.hidden, self.threads, self.pieces)
             return acc.type(x.dtype) if out is None else out.copy_(acc)
         work = self.routed(topk_ids, experts)
 

@@ -237,8 +237,8 @@ class CpuSplit:
         """Before a pass (the scheduler's thread): set the gates again where the host's
         time moved, and open them to measure it anew when no request came for
         ``REPROBE_S``."""
-        if self.expert_ms is None:
-            return
+        if self.expert_ms is None or (self._cuda and torch.cuda.is_current_stream_capturing()):
+            return  # (a copy inside a capture would replay its stale source)
         if (self.host_ms is not None and time.monotonic() - self._last_request_at > REPROBE_S
                 and any(self._host_experts.values())):
             self._samples, self.host_ms = [], None  # the host thread refills them

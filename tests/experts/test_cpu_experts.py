@@ -135,11 +135,12 @@ def test_fewer_experts_than_threads_are_cut_into_row_pieces(T, k, E, I, H, exper
         many.close()
     assert sorted(calls) == sorted(experts)  # one weights() lookup an expert, whatever the pieces
     assert torch.equal(got, CpuExperts(1)(x, ids, w, weights, experts))
-    whole = CpuExperts(4, pieces=False)  # one expert a thread, three threads idle
-    try:
-        assert torch.equal(got, whole(x, ids, w, weights, experts))
-    finally:
-        whole.close()
+    for engine, pieces in (("threads", False), ("forked", True), ("forked", False)):
+        other = CpuExperts(4, pieces=pieces, engine=engine)  # (without pieces, threads idle)
+        try:
+            assert torch.equal(got, other(x, ids, w, weights, experts)), (engine, pieces)
+        finally:
+            other.close()
     assert torch.equal(got, native(w13, w2, x, w, ids, only=experts))
 
 
@@ -180,3 +181,27 @@ def test_forked_experts_run_while_a_python_thread_holds_the_gil() -> None:
 def test_an_unknown_engine_is_refused() -> None:
     with pytest.raises(ValueError, match="engine 'gpu': one of forked, threads"):
         CpuExperts(2, engine="gpu")
+
+
+@pytest.mark.parametrize("threads, experts", [(8, [3]), (8, [1, 9]), (4, [1, 9, 12])])
+def test_forked_row_pieces_are_the_whole_experts_bits(threads, experts) -> None:
+    """The forked engine's request with row pieces (the piece count from ``threads``,
+    whatever torch's pool holds in this process) equals it without, and the native sum."""
+    from sglang_rimuru.experts.cpu_experts import _layer_forked, _scripted
+
+    T, k, E, I, H = 40, 4, 16, 96, 64
+    g = torch.Generator().manual_seed(threads + len(experts))
+    w13, w2, store = layer(E, I, H, g)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    w, ids = route(T, E, k, g)
+    for t in range(T):  # every listed expert routed, and no token routed twice to one expert
+        row = ids[t].tolist()
+        if experts[t % len(experts)] not in row:
+            row[0] = experts[t % len(experts)]
+        ids[t] = torch.tensor(row, dtype=ids.dtype)
+    fn = _scripted(_layer_forked)
+    mine = torch.tensor(experts)
+    cut = fn(x, ids, w, store, mine, I, H, threads, True)
+    whole = fn(x, ids, w, store, mine, I, H, threads, False)
+    assert torch.equal(cut, whole)
+    assert torch.equal(cut.to(torch.bfloat16), native(w13, w2, x, w, ids, only=experts))
