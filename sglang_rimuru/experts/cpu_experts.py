@@ -111,6 +111,31 @@ def _experts_forked(xs: List[torch.Tensor], w13s: List[torch.Tensor],
     return [torch.jit.wait(f) for f in futures]
 
 
+def _route(topk_ids: torch.Tensor, experts: torch.Tensor) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """The experts of ``experts`` that some token routes to (ascending) and, for each,
+    the flat slots (``t * k + j``) routed to it (``CpuExperts.routed``; TorchScript too)."""
+    flat = topk_ids.reshape(-1).long()
+    slots = torch.nonzero(torch.isin(flat, experts.long())).reshape(-1)
+    ids = flat[slots]
+    order = torch.argsort(ids, stable=True)
+    slots, ids = slots[order], ids[order]
+    uniq, counts = torch.unique_consecutive(ids, return_counts=True)
+    sizes: List[int] = counts.tolist()
+    return uniq, list(torch.split(slots, sizes))
+
+
+def _combine_into(acc: torch.Tensor, topk_weights: torch.Tensor, slots: torch.Tensor, y: torch.Tensor) -> None:
+    """``acc`` += each slot's output row ``y`` times its routing weight, k by k in slot
+    order (``CpuExperts._combine``; TorchScript too)."""
+    k = topk_weights.shape[1]
+    w = topk_weights.reshape(-1)
+    for j in range(k):
+        sel = torch.nonzero(slots % k == j).reshape(-1)
+        if sel.numel() > 0:
+            at = slots[sel]
+            acc.index_add_(0, at // k, y[sel].to(acc.dtype).mul_(w[at].unsqueeze(-1)))
+
+
 def _cuts(rows: int, n: int) -> List[Tuple[int, int]]:
     """``rows`` in ``n`` ranges of whole 16-row blocks (fewer where they run out)."""
     step = (rows + n - 1) // n
@@ -160,17 +185,10 @@ def _layer_forked(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     ``CpuExperts._pieces``), and ``CpuExperts._combine``, op for op, so one call holds the
     GIL once."""
     T, k = topk_ids.shape[0], topk_ids.shape[1]
-    flat = topk_ids.reshape(-1).long()
-    slots = torch.nonzero(torch.isin(flat, experts.long())).reshape(-1)
-    ids = flat[slots]
-    order = torch.argsort(ids, stable=True)
-    slots, ids = slots[order], ids[order]
     acc = torch.zeros(T, x.shape[1], dtype=topk_weights.dtype)
-    if slots.numel() == 0:
+    uniq, parts = _route(topk_ids, experts)
+    if len(parts) == 0:
         return acc
-    uniq, counts = torch.unique_consecutive(ids, return_counts=True)
-    sizes: List[int] = counts.tolist()
-    parts = torch.split(slots, sizes)
     xs: List[torch.Tensor] = []
     w13s: List[torch.Tensor] = []
     w2s: List[torch.Tensor] = []
@@ -183,20 +201,14 @@ def _layer_forked(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         ys = _experts_in_pieces(xs, w13s, w2s, (threads + len(xs) - 1) // len(xs), inter, hidden)
     else:
         ys = _experts_forked(xs, w13s, w2s)
-    y = torch.cat(ys)
-    w = topk_weights.reshape(-1)
-    for j in range(k):
-        sel = torch.nonzero(slots % k == j).reshape(-1)
-        if sel.numel() > 0:
-            at = slots[sel]
-            acc.index_add_(0, at // k, y[sel].to(acc.dtype).mul_(w[at].unsqueeze(-1)))
+    _combine_into(acc, topk_weights, torch.cat(parts), torch.cat(ys))
     return acc
 
 
 _SCRIPTED: dict = {}
 
 
-def _scripted(fn=_experts_forked):
+def _scripted(fn):
     """``fn`` as TorchScript (compiled once, on first use: ~0.1 s). TorchScript
     is deprecated (torch 2.11, the pinned torch, warns) but present; nothing else in
     torch forks work off the GIL. Where it goes, the ``threads`` engine stays."""
@@ -252,14 +264,8 @@ class CpuExperts:
     def routed(topk_ids: torch.Tensor, experts: Sequence[int] | torch.Tensor) -> dict[int, torch.Tensor]:
         """Expert -> the flat slots (``t * k + j``) routed to it, for each of ``experts``
         that some token routes to, in expert-id order."""
-        flat = topk_ids.reshape(-1).long()
-        wanted = torch.as_tensor(experts, dtype=torch.long).reshape(-1)
-        slots = torch.nonzero(torch.isin(flat, wanted)).reshape(-1)
-        ids = flat[slots]
-        order = torch.argsort(ids, stable=True)
-        slots, ids = slots[order], ids[order]
-        uniq, counts = torch.unique_consecutive(ids, return_counts=True)
-        return {int(e): s for e, s in zip(uniq.tolist(), torch.split(slots, counts.tolist()))}
+        uniq, parts = _route(topk_ids, torch.as_tensor(experts, dtype=torch.long).reshape(-1))
+        return dict(zip(uniq.tolist(), parts))
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  weights: Weights, experts: Sequence[int] | torch.Tensor,
@@ -285,7 +291,8 @@ class CpuExperts:
         items = list(work.items())
         if self.engine == "forked" and items:
             mats = [weights(e) for e, _ in items]
-            ys = _scripted()([x[slots // k] for _, slots in items], [m[0] for m in mats], [m[1] for m in mats])
+            ys = _scripted(_experts_forked)([x[slots // k] for _, slots in items], [m[0] for m in mats],
+                                            [m[1] for m in mats])
         elif self._pool is None or not items:
             ys = [one(it) for it in items]
         elif len(items) < self.threads and self.pieces:
@@ -307,24 +314,16 @@ class CpuExperts:
         acts = [torch.empty(xe.shape[0], inter, dtype=x.dtype) for xe in xs]
         ys = [torch.empty(xe.shape[0], hidden, dtype=x.dtype) for xe in xs]
 
-        def cuts(rows: int) -> list[tuple[int, int]]:
-            step = -(-rows // n)
-            step = -(-step // 16) * 16  # whole 16-row blocks
-            return [(a, min(rows, a + step)) for a in range(0, rows, step)]
-
         def up(task: tuple[int, int, int]) -> None:
             i, a, b = task
-            w13 = mats[i][0]
-            gate = F.linear(xs[i], w13[a:b])
-            upv = F.linear(xs[i], w13[inter + a:inter + b])
-            acts[i][:, a:b] = F.silu(gate) * upv
+            acts[i][:, a:b] = _up_piece(xs[i], mats[i][0], a, b, inter)
 
         def down(task: tuple[int, int, int]) -> None:
             i, a, b = task
-            ys[i][:, a:b] = F.linear(acts[i], mats[i][1][a:b])
+            ys[i][:, a:b] = _down_piece(acts[i], mats[i][1], a, b)
 
-        list(self._pool.map(up, [(i, a, b) for i in range(len(items)) for a, b in cuts(inter)]))
-        list(self._pool.map(down, [(i, a, b) for i in range(len(items)) for a, b in cuts(hidden)]))
+        list(self._pool.map(up, [(i, a, b) for i in range(len(items)) for a, b in _cuts(inter, n)]))
+        list(self._pool.map(down, [(i, a, b) for i in range(len(items)) for a, b in _cuts(hidden, n)]))
         return ys
 
     @staticmethod
@@ -340,17 +339,9 @@ class CpuExperts:
         an expert beside it; bench/RESULTS.md, tenth session; inferred from that fit,
         not timed apart). Each slot index ``t * k + j`` appears once, so for one j the
         rows added are distinct and ``index_add_`` adds each exactly once."""
-        T, k = topk_weights.shape
-        acc = torch.zeros(T, x.shape[1], dtype=topk_weights.dtype)
+        acc = torch.zeros(topk_weights.shape[0], x.shape[1], dtype=topk_weights.dtype)
         if items:
-            slots = torch.cat([s for _, s in items])
-            y = torch.cat(ys)
-            w = topk_weights.reshape(-1)
-            for j in range(k):
-                sel = torch.nonzero(slots % k == j).reshape(-1)
-                if sel.numel():
-                    at = slots[sel]
-                    acc.index_add_(0, at // k, y[sel].type(acc.dtype).mul_(w[at].unsqueeze(-1)))
+            _combine_into(acc, topk_weights, torch.cat([s for _, s in items]), torch.cat(ys))
         if out is None:
             return acc.type(x.dtype)
         return out.copy_(acc)

@@ -87,6 +87,9 @@ def test_experts_nobody_routes_to_give_zeros_and_read_nothing() -> None:
     weights = store_weights(store, I, H)
     got = CpuExperts(1)(x, ids, w, lambda e: (read.append(e), weights(e))[1], [5, 6, 7])
     assert read == [] and torch.equal(got, torch.zeros(T, H, dtype=torch.bfloat16))
+    forked = CpuExperts(2, engine="forked")  # the whole request in TorchScript: the same zeros
+    assert torch.equal(forked(x, ids, w, weights, [5, 6, 7]), got)
+    forked.close()
     assert CpuExperts.routed(ids, [2, 1, 7]).keys() == {1, 2}
     assert [s.tolist() for s in CpuExperts.routed(ids, [2, 1]).values()] == [[1, 2], [3, 4]]
 

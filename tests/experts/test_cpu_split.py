@@ -37,6 +37,17 @@ def _split(rig, share=0.5, min_tokens=1, max_tokens=16, threads=2, max_spins=2_0
                     threads=threads, max_spins=max_spins, expert_ms=expert_ms, engine=engine)
 
 
+def _tiny_attached(resident=5, **kw):
+    """A two-layer rig of 8 experts (3 offloaded a layer, unless ``resident`` says all are
+    in) and a split attached to its manager: ``(rig, manager, split)``. ``fragment`` and
+    ``pages`` go to the rig, the rest to ``_split``."""
+    rig_kw = {key: kw.pop(key) for key in ("fragment", "pages") if key in kw}
+    rig = make_rig(tiny_shape(E=8, I=16, H=32, k=2), limit=3, resident=resident, gates="random", **rig_kw)
+    split = _split(rig, **kw)
+    rig.manager.attach_cpu_split(split)
+    return rig, rig.manager, split
+
+
 def _least_paying(expert_ms, ps, host_ms, lo, hi):
     """The gate by its definition, counted up one token at a time."""
     for t in range(lo, hi + 1):
@@ -96,10 +107,7 @@ def test_closed_gates_open_again_to_measure_the_host() -> None:
 
 def test_the_host_thread_keeps_the_median_of_its_last_requests() -> None:
     _interpreter_only("CUDA present")
-    rig = make_rig(tiny_shape(E=8, I=16, H=32, k=2), limit=3, resident=5, gates="random")
-    m = rig.manager
-    split = _split(rig, share=0.67, expert_ms=0.5)
-    m.attach_cpu_split(split)
+    rig, m, split = _tiny_attached(share=0.67, expert_ms=0.5)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 32, generator=g).to(torch.bfloat16)
     w, ids = route(3, 8, 2, g)
@@ -238,10 +246,7 @@ def _layer_reference(rig, split, layer, x, w, ids):
 def test_a_split_layer_is_the_gpus_share_plus_the_hosts(T, engine) -> None:
     _interpreter_only("CUDA present: the server runs cover the split on the GPU")
     E, I, H, k = 8, 16, 32, 2
-    rig = make_rig(tiny_shape(E=E, I=I, H=H, k=k), limit=3, resident=5, gates="random", fragment=True)
-    m = rig.manager
-    split = _split(rig, share=0.67, engine=engine)  # two of three offloaded a layer
-    m.attach_cpu_split(split)
+    rig, m, split = _tiny_attached(fragment=True, share=0.67, engine=engine)  # two of three offloaded a layer
     split.start()
     try:
         g = torch.Generator().manual_seed(T)
@@ -269,10 +274,7 @@ def test_a_split_layer_is_the_gpus_share_plus_the_hosts(T, engine) -> None:
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_an_inactive_layer_skips_the_host() -> None:
     _interpreter_only("CUDA present")
-    rig = make_rig(tiny_shape(E=8, I=16, H=32, k=2), limit=3, resident=8, gates="random", pages=96)
-    m = rig.manager
-    split = _split(rig)
-    m.attach_cpu_split(split)
+    rig, m, split = _tiny_attached(resident=8, pages=96)
     split.start()
     try:
         g = torch.Generator().manual_seed(3)
@@ -292,10 +294,7 @@ def test_a_pass_below_the_gate_runs_every_expert_on_the_gpu() -> None:
     table (which would drop the host's experts); the same layer at its gate splits."""
     _interpreter_only("CUDA present")
     E, H, k = 8, 32, 2
-    rig = make_rig(tiny_shape(E=E, I=16, H=H, k=k), limit=3, resident=5, gates="random", fragment=True)
-    m = rig.manager
-    split = _split(rig, share=0.67, min_tokens=1, max_tokens=16)
-    m.attach_cpu_split(split)
+    rig, m, split = _tiny_attached(fragment=True, share=0.67, min_tokens=1, max_tokens=16)
     split.start()
     try:
         g = torch.Generator().manual_seed(6)
@@ -322,10 +321,7 @@ def test_a_pass_below_the_gate_runs_every_expert_on_the_gpu() -> None:
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_a_dead_host_thread_is_reported_not_hung() -> None:
     _interpreter_only("CUDA present")
-    rig = make_rig(tiny_shape(E=8, I=16, H=32, k=2), limit=3, resident=5, gates="random")
-    m = rig.manager
-    split = _split(rig, share=0.67, max_spins=50)
-    m.attach_cpu_split(split)
+    rig, m, split = _tiny_attached(share=0.67, max_spins=50)
     split._thread = threading.Thread(target=lambda: None)  # "running", but nobody serves
     g = torch.Generator().manual_seed(4)
     x = torch.randn(3, 32, generator=g).to(torch.bfloat16)

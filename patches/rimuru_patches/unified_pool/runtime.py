@@ -24,6 +24,7 @@ bit-identical to SGLang's fused MoE; ``fast`` leaves it its own defaults.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -116,11 +117,20 @@ def _in_place_read_gbps(device) -> float:
         if not gbps > 0:
             raise ValueError(f"{PCIE_ENV}={override!r}: expected GB/s > 0")
         return gbps
-    if torch.device(device).type != "cuda":
+    device = torch.device(device)
+    if device.type != "cuda":
         return 50.0
+    # one key for "cuda" and "cuda:N" alike (the manager's device and the worker's may differ in form)
+    return _copy_probe_gbps(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _copy_probe_gbps(index: int) -> float:
+    """``_in_place_read_gbps``'s probe, once a process and device: the cost-aware adjuster
+    and the CPU split's gates price a read from the same figure, and start-up pays once."""
     n = 64 << 20
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    dev = torch.empty(n, dtype=torch.uint8, device=torch.device("cuda", index))
     dev.copy_(host, non_blocking=True)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     best_ms = float("inf")
