@@ -28,6 +28,16 @@ MIX_DECODES = ("offloaded", "sglang")
 CPU_ENGINES = ("forked", "threads")
 
 
+def _share_or_auto(text: str) -> float | str:
+    """``--rimuru-cpu-experts``: a share, or ``auto`` (argparse names the flag on error)."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a share in [0, 1) or auto, got {text!r}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class RimuruConfig:
     #: how experts and KV cache share GPU memory
@@ -67,9 +77,9 @@ class RimuruConfig:
     #: when a prefill pass also advances the running decode requests (MIX_DECODES)
     mix_decodes: str = "offloaded"
     #: the CPU split: this share of each layer's offloaded experts is computed by the
-    #: host's CPUs in passes of cpu_min_tokens..cpu_max_tokens tokens (0: off;
-    #: sglang_rimuru/experts/cpu_split.py)
-    cpu_experts: float = 0.0
+    #: host's CPUs in passes of cpu_min_tokens..cpu_max_tokens tokens (0: off; "auto":
+    #: the count that balances host and GPU; sglang_rimuru/experts/cpu_split.py)
+    cpu_experts: float | str = 0.0
     #: host threads computing the CPU split's experts (default: the process's cores less two)
     cpu_threads: int | None = None
     #: how the host runs the split's experts (CPU_ENGINES; sglang_rimuru/experts/cpu_experts.py)
@@ -101,9 +111,9 @@ class RimuruConfig:
             raise ValueError(f"--rimuru-load-buffer-slots {self.load_buffer_slots} is above "
                              f"--rimuru-expert-offload-limit {self.expert_offload_limit}: a layer never has "
                              "more experts offloaded than the limit")
-        if not 0 <= self.cpu_experts < 1:
+        if self.cpu_experts != "auto" and (isinstance(self.cpu_experts, str) or not 0 <= self.cpu_experts < 1):
             raise ValueError(f"--rimuru-cpu-experts is a share of each layer's offloaded experts, in [0, 1), "
-                             f"got {self.cpu_experts}")
+                             f"or auto; got {self.cpu_experts}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--rimuru-cpu-threads must be >= 1, got {self.cpu_threads}")
         if self.cpu_engine not in CPU_ENGINES:
@@ -183,6 +193,11 @@ class RimuruConfig:
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
+
+    @property
+    def cpu_share(self) -> float | None:
+        """The CPU split's share of each layer's offloaded experts; None for ``auto``."""
+        return None if self.cpu_experts == "auto" else float(self.cpu_experts)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -270,15 +285,16 @@ class RimuruConfig:
         )
         group.add_argument(
             "--rimuru-cpu-experts",
-            type=float,
+            type=_share_or_auto,
             default=RimuruConfig.cpu_experts,
-            metavar="SHARE",
+            metavar="SHARE|auto",
             help="The CPU split (GPU only, TP 1): in forward passes of --rimuru-cpu-min-tokens to "
             "--rimuru-cpu-max-tokens tokens (the decode graphs), this share of each MoE layer's offloaded "
             "experts (the most often routed) is computed by the host's CPUs from host memory while the GPU "
             "reads the rest over PCIe; only hidden states and routing cross the link for them. Outputs "
-            "are not bit-equal to the GPU's. 0 (default): off. ~0.25 paid best on a Qwen3-30B-A3B step "
-            "(bench/RESULTS.md).",
+            "are not bit-equal to the GPU's. 0 (default): off. auto: each layer's count balances the "
+            "host's measured time against the GPU's reads of the rest, at the batch the split serves "
+            "(starting from 0.25 until the host is measured).",
         )
         group.add_argument(
             "--rimuru-cpu-threads",

@@ -125,6 +125,19 @@ def test_cpu_split_problems_name_each_setting_it_cannot_serve():
     ]
 
 
+def test_cpu_experts_auto():
+    config = parse("--rimuru-mode", "elastic", "--rimuru-cpu-experts", "auto")
+    assert config.cpu_experts == "auto" and config.cpu_share is None
+    assert RimuruConfig.from_dict(config.to_dict()) == config  # what the spawned processes get
+    assert parse("--rimuru-mode", "elastic", "--rimuru-cpu-experts", "0.25").cpu_share == 0.25
+    with pytest.raises(SystemExit):
+        parse("--rimuru-mode", "elastic", "--rimuru-cpu-experts", "half")
+    with pytest.raises(ValueError, match=r"in \[0, 1\), or auto; got half"):
+        RimuruConfig(mode="elastic", cpu_experts="half")
+    with pytest.raises(ValueError, match=r"^--rimuru-cpu-experts need --rimuru-mode static or elastic$"):
+        RimuruConfig(mode="off", cpu_experts="auto")
+
+
 def test_cpu_engine_flag():
     from sglang_rimuru.experts.cpu_experts import ENGINES
 

@@ -135,6 +135,7 @@ def test_moe_kernel_needs_a_pool_mode(tiny_moe):
 
 @pytest.mark.parametrize("flags, names", [
     (["--rimuru-cpu-experts", "1.5"], ["--rimuru-cpu-experts", "in [0, 1)", "1.5"]),
+    (["--rimuru-cpu-experts", "most"], ["--rimuru-cpu-experts", "or auto", "'most'"]),
     (["--rimuru-cpu-experts", "0.25", "--rimuru-cpu-min-tokens", "64", "--rimuru-cpu-max-tokens", "32"],
      ["--rimuru-cpu-min-tokens 64", "--rimuru-cpu-max-tokens 32"]),
     (["--rimuru-cpu-experts", "0.25", "--device", "cpu", "--tp-size", "2"],

@@ -129,7 +129,10 @@ for run in ${RUNS:-static32 elastic32}; do
     elastic24d) one elastic24d 24 q15 -- --rimuru-mode elastic ;;
     q3elastic32d) one q3elastic32d 32 q3 -- --rimuru-mode elastic ;;
     # ... with the CPU split (--rimuru-cpu-experts 0.PP of each layer's offloaded experts on the
-    # host's CPUs in decode passes; sglang_rimuru/experts/cpu_split.py): elastic24dcpu25, q3elastic32dcpu25
+    # host's CPUs in decode passes; sglang_rimuru/experts/cpu_split.py): elastic24dcpu25, q3elastic32dcpu25;
+    # elastic24dcpuauto, q3elastic32dcpuauto: --rimuru-cpu-experts auto (the balancing count)
+    elastic24dcpuauto) one "$run" 24 q15 -- --rimuru-mode elastic --rimuru-cpu-experts auto ;;
+    q3elastic32dcpuauto) one "$run" 32 q3 -- --rimuru-mode elastic --rimuru-cpu-experts auto ;;
     elastic24dcpu*) one "$run" 24 q15 -- --rimuru-mode elastic --rimuru-cpu-experts "0.${run#elastic24dcpu}" ;;
     q3elastic32dcpu*) one "$run" 32 q3 -- --rimuru-mode elastic --rimuru-cpu-experts "0.${run#q3elastic32dcpu}" ;;
     # ... with SGLang's mixed chunked prefill: each prefill pass carries the running decodes, so a

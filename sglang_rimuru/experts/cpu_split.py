@@ -25,9 +25,16 @@ How, per layer of a pass of ``min_tokens``..``max_tokens`` tokens (the decode gr
                   GPU ran skipped, whatever moved since), computes them from the host
                   store in place (``CpuExperts``), writes the reply
 
-Which experts: ``share`` of each layer's offloaded experts (rounded), the ones most
-often routed by the ranking (ties: ranking order), so the host carries reads the GPU
-would otherwise make.
+Which experts: the ones most often routed by the ranking (ties: ranking order), so the
+host carries reads the GPU would otherwise make; how many: ``share`` of each layer's
+offloaded experts (rounded), or with ``share=None`` (``--rimuru-cpu-experts auto``) the
+count that balances the two sides at the batch the split serves (``balance_count``): the
+host's measured line ``a + b x experts`` against the GPU's reads of the offloaded experts
+left to it. Why (bench/RESULTS.md, thirty-ninth session): on an H100's host the forked
+engine took ~4-6 ms fixed and ~0.33 ms an expert more, about what the GPU takes to read one
+in place (0.34 ms), so the best count is near half of a layer's offloaded experts less the
+host's fixed time, not a share fixed by hand: with 48 out, ~20. Until the line is measured
+(and after each reprobe) every layer starts at ``AUTO_START_SHARE``.
 
 At which batch sizes (the gates): a layer split at ``T`` tokens takes
 ``max(the GPU's share, the host's time)`` instead of the GPU's whole layer, so it pays
@@ -35,8 +42,9 @@ iff the host's time ``h`` is below what the GPU would take for the layer alone. 
 at least its offloaded reads: ``expert_ms * sum over the layer's offloaded experts of
 (1 - (1 - p) ** T)`` (``p`` a token's probability of routing to it; cost.py's
 ``touched``), so a layer splits from the least ``T`` where that exceeds
-``(1 + GATE_MARGIN) * h``. ``h`` is the median of the host's last ``HOST_SAMPLES``
-requests; until it has them (and again every ``REPROBE_S`` without a request, so a gate
+``(1 + GATE_MARGIN) * h``. ``h`` is the host's time at ``T`` by its line (``host_line``,
+fitted to its last ``HOST_SAMPLES`` requests: their routed experts and times), or the median
+of those times where no line is fitted; until it has them (and again every ``REPROBE_S`` without a request, so a gate
 set high does not keep its own evidence from changing) every layer with host
 experts splits from ``min_tokens``. Why (bench/RESULTS.md, thirty-eighth session): on
 an H100 the host took ~9-10 ms a layer request almost whatever its experts, and every
@@ -62,13 +70,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..adjuster.cost import touched
 from .cpu_experts import CpuExperts, store_weights
 from .host_store import HostExpertStore, pinned_empty
 from .shapes import MoEShape
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CpuSplit", "CpuSplitFailed", "choose_host_experts"]
+__all__ = ["CpuSplit", "CpuSplitFailed", "balance_count", "choose_host_experts", "host_line"]
 
 #: ~20-40 s of PCIe polls before the device gives up on a reply: a dead host thread
 #: is a reported error (``CpuSplit.check``), not a hung server
@@ -85,35 +94,102 @@ GATE_MARGIN = 0.1
 REPROBE_S = 60.0
 #: the gates are set again when the host's time moves by more than this share
 REGATE_SHARE = 0.1
+#: ``share=None`` (auto): each layer's share until the host's line is measured
+AUTO_START_SHARE = 0.25
+#: the host's line fits its slope only where its requests' expert counts spread this much
+#: (variance); else the slope is the GPU's read time of an expert (the host reads DRAM at
+#: about the link's rate: bench/RESULTS.md, thirty-ninth session)
+MIN_SPREAD = 0.5
+
+
+def _moved(now: tuple, last: tuple) -> bool:
+    """Whether (host ms, design tokens) moved enough to set the gates again: the time by
+    more than ``REGATE_SHARE``, or to or from unmeasured; the tokens by more than a quarter."""
+    (h, t), (h0, t0) = now, last
+    if (h is None) != (h0 is None):
+        return True
+    if h is not None and abs(h - h0) > REGATE_SHARE * h0:
+        return True
+    return abs(t - t0) > 0.25 * t0
 
 
 class CpuSplitFailed(RuntimeError):
     """The host side of the CPU split failed, or the device timed out waiting for it."""
 
 
-def choose_host_experts(offloaded: Sequence[int], token_p: Sequence[float], share: float) -> list[int]:
-    """The host's experts of one layer: ``round(share * len(offloaded))`` of the
-    offloaded experts, the most often routed first (``token_p``: each expert's
-    probability of a token's routing; ties keep the order of ``offloaded``), sorted."""
-    n = int(share * len(offloaded) + 0.5)
+def _most_routed(offloaded: Sequence[int], token_p: Sequence[float]) -> list[int]:
+    """``offloaded`` most often routed first (ties keep their order)."""
     order = sorted(range(len(offloaded)), key=lambda i: (-token_p[offloaded[i]], i))
-    return sorted(offloaded[i] for i in order[:n])
+    return [offloaded[i] for i in order]
+
+
+def choose_host_experts(offloaded: Sequence[int], token_p: Sequence[float], share: float | None = None,
+                        count: int | None = None) -> list[int]:
+    """The host's experts of one layer: ``round(share * len(offloaded))`` (or ``count``) of
+    the offloaded experts, the most often routed first (``token_p``: each expert's
+    probability of a token's routing; ties keep the order of ``offloaded``), sorted."""
+    if (share is None) == (count is None):
+        raise ValueError("give share or count")
+    n = int(share * len(offloaded) + 0.5) if count is None else count
+    return sorted(_most_routed(offloaded, token_p)[:n])
+
+
+def host_line(samples: Sequence[tuple[float, float]], prior_slope: float) -> tuple[float, float]:
+    """The host's time a request as ``(a, b)``: ``a + b * experts`` ms over ``samples`` of
+    (routed experts it computed, ms). ``b`` is the least-squares slope, held within 1/4 to 4x
+    ``prior_slope`` (a few noisy requests must not hand the host every expert), or
+    ``prior_slope`` itself where the counts spread less than ``MIN_SPREAD`` (variance);
+    ``a`` the median of ``ms - b * experts`` (one slow request moves it little), never < 0."""
+    if not samples:
+        raise ValueError("no samples")
+    n = len(samples)
+    mx = sum(x for x, _ in samples) / n
+    my = sum(y for _, y in samples) / n
+    var = sum((x - mx) ** 2 for x, _ in samples) / n
+    b = sum((x - mx) * (y - my) for x, y in samples) / n / var if var >= MIN_SPREAD else prior_slope
+    b = min(max(b, prior_slope / 4), prior_slope * 4)
+    a = sorted(y - b * x for x, y in samples)[n // 2]
+    return max(0.0, a), b
+
+
+def balance_count(ps: Sequence[float], tokens: int, expert_ms: float, line: tuple[float, float]) -> int:
+    """How many of a layer's offloaded experts the host takes (``ps``: their token
+    probabilities, the host taking them in this order) so that a pass of ``tokens`` tokens
+    waits least: ``max(host, GPU)``, the host's line over the routed experts it takes
+    against ``expert_ms`` for each routed one the GPU still reads (its resident experts'
+    compute left out: it only ever favours the host less). 0 where no count beats the GPU
+    reading them all."""
+    a, b = line
+    t = [touched(p, tokens) for p in ps]
+    gpu = expert_ms * sum(t)
+    best_n, best = 0, gpu
+    host = 0.0
+    for n, tn in enumerate(t, start=1):
+        host += tn
+        cost = max(a + b * host, gpu - expert_ms * host)
+        if cost < best:
+            best_n, best = n, cost
+    return best_n
 
 
 class CpuSplit:
     """One TP rank's CPU split: split tables, the mailbox, and the host thread."""
 
     def __init__(self, shape: MoEShape, host_store: HostExpertStore, device: torch.device | str, *,
-                 share: float, min_tokens: int, max_tokens: int, threads: int,
+                 share: float | None, min_tokens: int, max_tokens: int, threads: int,
                  max_spins: int = MAX_SPINS, expert_ms: float | None = None, engine: str = "threads"):
         """``expert_ms``: the GPU's time to read one offloaded expert in place (its bytes
         over the measured rate), from which the gates are set; None: split every pass of
         ``min_tokens``..``max_tokens`` tokens in every layer with host experts. ``engine``:
-        how the host runs its experts (``CpuExperts``)."""
+        how the host runs its experts (``CpuExperts``). ``share``: of each layer's offloaded
+        experts, on the host; None: the count that balances host and GPU (``balance_count``,
+        which needs ``expert_ms``)."""
         from rimuru_kernels.handshake import NEVER, HostMailbox  # lazy: triton only where it runs
 
-        if not 0 < share < 1:
+        if share is not None and not 0 < share < 1:
             raise ValueError(f"share {share}: a fraction of each layer's offloaded experts, in (0, 1)")
+        if share is None and expert_ms is None:
+            raise ValueError("share None (balance host and GPU) needs expert_ms, the GPU's read time of an expert")
         if not 1 <= min_tokens <= max_tokens:
             raise ValueError(f"tokens {min_tokens}..{max_tokens}: need 1 <= min <= max")
         if expert_ms is not None and not expert_ms > 0:
@@ -137,10 +213,18 @@ class CpuSplit:
         self._gate = torch.full((len(shape.layer_ids),), NEVER, dtype=torch.int32, device=self.device)
         self._gates = [NEVER] * len(shape.layer_ids)  # the host's copy of _gate
         self._out_p: dict[int, list[float]] = {l: [] for l in shape.layer_ids}  # offloaded experts' p
-        #: the host's recent request times (ms; the host thread appends) and their median
-        self._samples: list[float] = []
+        self._host_p: dict[int, list[float]] = {l: [] for l in shape.layer_ids}  # the host's experts' p
+        #: each layer's home rows, offloaded experts and token probabilities as last given
+        #: (``update_layer``), from which the host's experts are chosen again as the line moves
+        self._given: dict[int, tuple[list, list[int], list[float]]] = {}
+        #: the host's recent requests (routed experts computed, tokens, ms; the host thread
+        #: appends), their median time, and the line fitted to them (``regate``)
+        self._samples: list[tuple[int, int, float]] = []
         self.host_ms: float | None = None
-        self._gated_with: float | None = None  # the host_ms the gates were last set from
+        self.line: tuple[float, float] | None = None
+        #: the batch the counts balance at (``share=None``): the median tokens of those requests
+        self.design_tokens = max_tokens
+        self._gated_with: tuple | None = None  # (host_ms, design_tokens) the gates were last set from
         self._last_request_at = time.monotonic()
         self._flag_words = self.mailbox.flags.numpy()  # the same memory (serve_once polls it)
         self._host_experts: dict[int, list[int]] = {l: [] for l in shape.layer_ids}
@@ -162,24 +246,42 @@ class CpuSplit:
         the home table is rewritten, so both reach the device in the same stream order);
         return the host's experts. ``home``: the layer's home table on the device (the
         persistent tensor the GPU's share runs on when the layer does not split)."""
-        mine = choose_host_experts(offloaded, token_p, self.share)
-        own = set(mine)
-        rows = [(-1, -1, -1) if x in own else tuple(r) for x, r in enumerate(home_rows)]
-        if any(-1 in r for x, r in enumerate(rows) if x not in own):
-            raise ValueError(f"layer {layer}: home rows with -1 outside the host's experts (no host reads?)")
         # (device types only: a table made on "cuda" lives on "cuda:0", which is not equal to "cuda")
         if home.shape != self._split[layer].shape or home.dtype != torch.int32 or home.device.type != self.device.type:
             raise ValueError(f"layer {layer}: home table {tuple(home.shape)} {home.dtype} on {home.device}, "
                              f"expected {tuple(self._split[layer].shape)} int32 on {self.device}")
+        self._home[layer] = home
+        self._given[layer] = ([tuple(r) for r in home_rows], list(offloaded), [float(p) for p in token_p])
+        self._out_p[layer] = [float(token_p[x]) for x in offloaded]
+        mine = self._choose(layer)
+        self._write_split(layer, mine)
+        self._set_gates([layer])
+        return mine
+
+    def _choose(self, layer: int) -> list[int]:
+        """The host's experts of ``layer`` now: its share, or the balancing count."""
+        _, offloaded, token_p = self._given[layer]
+        if self.share is not None:
+            return choose_host_experts(offloaded, token_p, self.share)
+        if self.line is None:
+            return choose_host_experts(offloaded, token_p, AUTO_START_SHARE)
+        ps = [token_p[x] for x in _most_routed(offloaded, token_p)]
+        n = balance_count(ps, self.design_tokens, self.expert_ms, self.line)
+        return choose_host_experts(offloaded, token_p, count=n)
+
+    def _write_split(self, layer: int, mine: list[int]) -> None:
+        """``layer``'s split table: its home rows with ``mine``'s rows -1 (stream order)."""
+        home_rows, _, token_p = self._given[layer]
+        own = set(mine)
+        rows = [(-1, -1, -1) if x in own else tuple(r) for x, r in enumerate(home_rows)]
+        if any(-1 in r for x, r in enumerate(rows) if x not in own):
+            raise ValueError(f"layer {layer}: home rows with -1 outside the host's experts (no host reads?)")
         src = torch.tensor(rows, dtype=torch.int32)
         if self._cuda:  # pinned + async: a pageable copy would wait for the running pass
             src = src.pin_memory()
         self._split[layer].copy_(src, non_blocking=self._cuda)
-        self._home[layer] = home
         self._host_experts[layer] = mine
-        self._out_p[layer] = [float(token_p[x]) for x in offloaded]
-        self._set_gates([layer])
-        return mine
+        self._host_p[layer] = [token_p[x] for x in mine]
 
     # ------------------------------------------------------------------ the gates
 
@@ -194,21 +296,26 @@ class CpuSplit:
 
     def gate_for(self, layer: int) -> int:
         """The least token count at which ``layer`` splits now (``NEVER``: it does not),
-        from its host experts, its offloaded experts' probabilities and ``host_ms``."""
+        from its host experts, its offloaded experts' probabilities and the host's time
+        (its line over the experts it would compute, else ``host_ms``)."""
         if not self._host_experts[layer]:
             return self._never
         if self.expert_ms is None or self.host_ms is None:
             return self.min_tokens
-        need = (1.0 + GATE_MARGIN) * self.host_ms
-        ps = self._out_p[layer]
+        ps, mine = self._out_p[layer], self._host_p[layer]
+
+        def host(t: int) -> float:
+            if self.line is None:
+                return self.host_ms
+            return self.line[0] + self.line[1] * sum(touched(p, t) for p in mine)
 
         def pays(t: int) -> bool:
-            return self.expert_ms * sum(1.0 - (1.0 - p) ** t for p in ps) > need
+            return self.expert_ms * sum(touched(p, t) for p in ps) > (1.0 + GATE_MARGIN) * host(t)
 
         lo, hi = self.min_tokens, self.max_tokens
         if not pays(hi):
             return self._never
-        while lo < hi:  # the reads grow with t: the least t that pays
+        while lo < hi:  # the reads grow with t (faster than the host's share of them): the least t that pays
             mid = (lo + hi) // 2
             if pays(mid):
                 hi = mid
@@ -235,19 +342,31 @@ class CpuSplit:
             self._gate.copy_(src, non_blocking=self._cuda)
 
     def regate(self) -> None:
-        """Before a pass (the scheduler's thread): set the gates again where the host's
-        time moved, and open them to measure it anew when no request came for
-        ``REPROBE_S``."""
+        """Before a pass (the scheduler's thread): where the host's time or the batch it
+        serves moved, fit its line again, choose each layer's experts again (``share=None``)
+        and set the gates; open them to measure the host anew when no request came for
+        ``REPROBE_S`` (the balancing counts go back to ``AUTO_START_SHARE`` for it)."""
         if self.expert_ms is None or (self._cuda and torch.cuda.is_current_stream_capturing()):
             return  # (a copy inside a capture would replay its stale source)
         if (self.host_ms is not None and time.monotonic() - self._last_request_at > REPROBE_S
-                and any(self._host_experts.values())):
-            self._samples, self.host_ms = [], None  # the host thread refills them
+                and (self.share is None or any(self._host_experts.values()))):
+            self._samples, self.host_ms, self.line = [], None, None  # the host thread refills them
             self._last_request_at = time.monotonic()
-        h, last = self.host_ms, self._gated_with
-        if h == last or (h is not None and last is not None and abs(h - last) <= REGATE_SHARE * last):
+        samples, h = self._samples, self.host_ms
+        tokens = sorted(t for _, t, _ in samples)[len(samples) // 2] if samples else self.max_tokens
+        if self._gated_with is not None and not _moved((h, tokens), self._gated_with):
             return
-        self._gated_with = h
+        self._gated_with = (h, tokens)
+        if h is not None and len(samples) >= HOST_SAMPLES:
+            self.line = host_line([(n, ms) for n, _, ms in samples], self.expert_ms)
+            self.design_tokens = tokens
+        elif h is None:
+            self.line = None
+        if self.share is None:
+            for l in self._given:
+                mine = self._choose(l)
+                if mine != self._host_experts[l]:
+                    self._write_split(l, mine)
         self._set_gates(self.shape.layer_ids)
 
     def split_table(self, layer: int) -> torch.Tensor:
@@ -322,13 +441,16 @@ class CpuSplit:
         mine = torch.nonzero(mb.table == -1).reshape(-1)
         self._experts(mb.x[:T], mb.ids[:T], mb.weights[:T], self._weights[layer], mine, out=mb.part[:T])
         ms = (time.perf_counter() - t0) * 1e3
+        # the experts it computed: those of its own the pass routed to (for the line; counted
+        # before the reply, since the next request overwrites the mailbox: ~10 us)
+        routed = int((torch.bincount(mb.ids[:T].reshape(-1).long(), minlength=self.shape.num_experts)[mine] > 0).sum())
         self._n["host_ms"] += ms
         self._n["requests"] += 1
-        self._samples = (self._samples + [ms])[-HOST_SAMPLES:]  # a new list: the scheduler may read it
+        self._samples = (self._samples + [(routed, T, ms)])[-HOST_SAMPLES:]  # a new list: the scheduler reads it
         if len(self._samples) == HOST_SAMPLES:
-            self.host_ms = sorted(self._samples)[HOST_SAMPLES // 2]
+            self.host_ms = sorted(ms for _, _, ms in self._samples)[HOST_SAMPLES // 2]
         self._last_request_at = time.monotonic()
-        self._n["host_experts"] += int(mine.numel())
+        self._n["host_experts"] += routed
         f[REPLY] = n  # after the part's stores (x86 keeps store order); the device then reads it
         self._last = n
         return True
@@ -363,9 +485,11 @@ class CpuSplit:
 
     def stats(self) -> dict[str, float]:
         """Requests served (one per layer of a split pass whose layer had host experts),
-        the host's mean ms and experts a request, and the median the gates use (None
-        until measured)."""
+        the host's mean ms and routed experts a request, the median and line the gates use
+        (None until measured), and the batch the balancing counts are for (None with a
+        fixed share)."""
         n = dict(self._n)
         r = max(1, n["requests"])
         return dict(requests=n["requests"], host_ms_per_request=n["host_ms"] / r,
-                    host_experts_per_request=n["host_experts"] / r, host_ms=self.host_ms)
+                    host_experts_per_request=n["host_experts"] / r, host_ms=self.host_ms,
+                    line=self.line, design_tokens=self.design_tokens if self.share is None else None)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from sglang_rimuru.experts.cpu_experts import CpuExperts, store_weights
-from sglang_rimuru.experts.cpu_split import (GATE_MARGIN, HOST_SAMPLES, REPROBE_S, CpuSplit, CpuSplitFailed,
-                                             choose_host_experts)
+from sglang_rimuru.experts.cpu_split import (AUTO_START_SHARE, GATE_MARGIN, HOST_SAMPLES, REPROBE_S, CpuSplit,
+                                             CpuSplitFailed, balance_count, choose_host_experts, host_line)
 
 from .rig import host_row, make_rig, tiny_shape
 from .test_compute import _interpreter_only, route
@@ -68,11 +68,11 @@ def test_gates_open_where_the_offloaded_reads_outlast_the_host() -> None:
     assert split.host_ms is None and split.gates() == [2, 2]
     ps = {l: [m._token_p[l][e] for e in rig.residency.offloaded(l)] for l in (0, 1)}
     # three offloaded experts a layer can take at most 1.5 ms a layer: a 1.0 ms host pays
-    # from some batch, a 1.4 ms host (1.54 with the margin) never
-    split._samples = [9.0] * (HOST_SAMPLES // 2) + [1.0] * (HOST_SAMPLES // 2 + 1)  # the median, not the mean
-    split.host_ms = sorted(split._samples)[len(split._samples) // 2]
-    assert split.host_ms == 1.0
+    # from some batch, a 1.4 ms host (1.54 with the margin) never (a median without a line:
+    # too few samples to fit one)
+    split.host_ms = 1.0
     split.regate()
+    assert split.line is None
     want = [_least_paying(0.5, ps[l], 1.0, 2, 64) for l in (0, 1)]
     assert split.gates() == want and split._gate.tolist() == want
     assert all(2 < g <= 64 for g in want)
@@ -121,7 +121,12 @@ def test_the_host_thread_keeps_the_median_of_its_last_requests() -> None:
         mb.flags[2] = (0 << 16) | 3
         mb.flags[0] = n
         assert split.serve_once() and int(mb.flags[1]) == n
-    assert split.host_ms == sorted(split._samples)[HOST_SAMPLES // 2] and len(split._samples) == HOST_SAMPLES
+    assert len(split._samples) == HOST_SAMPLES
+    assert split.host_ms == sorted(ms for _, _, ms in split._samples)[HOST_SAMPLES // 2]  # the median
+    # each sample: the routed experts of its own it computed, the tokens, the time
+    own = set(split.host_experts(0))
+    routed = len(own & set(ids.reshape(-1).tolist()))
+    assert routed >= 1 and {(n, t) for n, t, _ in split._samples} == {(routed, 3)}
     assert not split.serve_once()  # nothing new posted
     split.close()
 
@@ -425,3 +430,99 @@ def test_split_layers_in_a_cuda_graph(T) -> None:
         assert split.stats()["requests"] == 2 * 4
     finally:
         split.close()
+
+
+def test_host_line_fits_the_hosts_time_over_its_experts() -> None:
+    assert host_line([(2, 5.0), (4, 6.0), (6, 7.0), (8, 8.0)], 0.3) == (4.0, 0.5)  # exact: 4 + 0.5 n
+    # counts that do not spread: the prior slope, the intercept the median of the rest
+    a, b = host_line([(4, 5.0), (4, 6.0), (4, 9.0)], 0.25)
+    assert (a, b) == (5.0, 0.25)
+    # a slope far from the prior is held within 1/4..4x of it
+    assert host_line([(1, 1.0), (2, 11.0), (3, 21.0)], 0.5)[1] == 2.0
+    assert host_line([(1, 5.0), (9, 5.0)], 0.4)[1] == 0.1
+    assert host_line([(1, 0.1), (9, 8.1)], 1.0) == (0.0, 1.0)  # never below 0 ms fixed
+    with pytest.raises(ValueError):
+        host_line([], 0.3)
+
+
+def _balance_by_definition(ps, tokens, expert_ms, a, b):
+    """Every count's wait, the least kept (the first on ties), 0 meaning all on the GPU."""
+    t = [1 - (1 - p) ** tokens for p in ps]
+    waits = [expert_ms * sum(t)] + [max(a + b * sum(t[:n]), expert_ms * sum(t[n:])) for n in range(1, len(t) + 1)]
+    return min(range(len(waits)), key=lambda n: (waits[n], n))
+
+
+def test_balance_count_gives_the_host_what_it_finishes_beside_the_gpu() -> None:
+    ps = [1 / 15] * 48  # Qwen1.5 at 24 GB: 48 out of 60, uniform routing
+    # at full batch every expert is routed: 0.34 ms each on the GPU, the host 5 ms + 0.33 each
+    n = balance_count(ps, 128, 0.34, (5.0, 0.33))
+    assert n == _balance_by_definition(ps, 128, 0.34, 5.0, 0.33) == 17
+    r = 1 - (14 / 15) ** 128
+    assert abs((5.0 + 0.33 * 17 * r) - 0.34 * 31 * r) < 0.34  # the two sides end within one expert's read
+    assert balance_count(ps, 128, 0.34, (0.0, 0.001)) == 48  # a nearly free host takes them all
+    assert balance_count(ps, 128, 0.34, (20.0, 0.33)) == 0  # a host slower than every read: none
+    # at a small batch the reads are fewer, and so is the host's count
+    small = balance_count(ps, 8, 0.34, (5.0, 0.33))
+    assert small == _balance_by_definition(ps, 8, 0.34, 5.0, 0.33) < n
+    skew = [0.3, 0.2, 0.05, 0.01, 0.01]
+    for tokens in (1, 4, 16, 64):
+        assert balance_count(skew, tokens, 0.5, (0.2, 0.4)) == _balance_by_definition(skew, tokens, 0.5, 0.2, 0.4)
+
+
+def test_auto_counts_follow_the_hosts_line() -> None:
+    """``share=None``: every layer starts at AUTO_START_SHARE; once the host has its samples,
+    each layer's count balances its line against the GPU's reads at the samples' median
+    batch, the split tables follow, and a reprobe starts over."""
+    pytest.importorskip("triton")
+    rig = make_rig(limit=4)  # layer 0 offloads 2, 7, 6; layer 1 offloads 2, 1, 0 (rig.py)
+    m = rig.manager
+    with pytest.raises(ValueError, match="needs expert_ms"):
+        _split(rig, share=None)
+    split = _split(rig, share=None, min_tokens=2, max_tokens=64, expert_ms=0.5)
+    m.attach_cpu_split(split)
+    start = {l: choose_host_experts(rig.residency.offloaded(l), m._token_p[l], AUTO_START_SHARE) for l in (0, 1)}
+    assert start[0] == [2] and all(split.host_experts(l) == start[l] for l in (0, 1))
+    split.regate()  # too few samples: no line, nothing moves
+    assert split.line is None and all(split.host_experts(l) == start[l] for l in (0, 1))
+
+    def agrees() -> None:
+        for l in (0, 1):
+            mine = split.host_experts(l)
+            home, table = m.table(l).tolist(), split.split_table(l).tolist()
+            assert table == [[-1, -1, -1] if e in mine else row for e, row in enumerate(home)]
+
+    # a fast host (0.1 ms + 0.2 an expert) beside 0.5 ms reads: it takes more than it started with
+    split._samples = [(1 + i % 3, 32 + i % 2, 0.1 + 0.2 * (1 + i % 3)) for i in range(HOST_SAMPLES)]
+    split.host_ms = 0.5
+    split.regate()
+    assert split.line == pytest.approx((0.1, 0.2)) and split.design_tokens == 33  # the median batch
+    for l in (0, 1):
+        out = rig.residency.offloaded(l)
+        ps = [m._token_p[l][e] for e in sorted(out, key=lambda e: -m._token_p[l][e])]
+        assert len(split.host_experts(l)) == balance_count(ps, 33, 0.5, split.line) > len(start[l])
+    agrees()
+    assert split.gates() == [_least_paying_line(split, l) for l in (0, 1)]
+    # a slow host (3 ms fixed): no layer's reads outlast it, the host takes none
+    split._samples = [(1 + i % 3, 32, 3.0 + 0.5 * (1 + i % 3)) for i in range(HOST_SAMPLES)]
+    split.host_ms = 4.0
+    split.regate()
+    assert split.host_counts() == [0, 0] and split.gates() == [NEVER, NEVER]
+    agrees()
+    # no request for REPROBE_S: the line is dropped and every layer starts over
+    split._last_request_at -= REPROBE_S + 1
+    split.regate()
+    assert split.line is None and split.host_ms is None
+    assert all(split.host_experts(l) == start[l] for l in (0, 1)) and split.gates() == [2, 2]
+    agrees()
+
+
+def _least_paying_line(split, layer):
+    """The gate by its definition with the host's line, one token at a time."""
+    out_p = [split._given[layer][2][e] for e in split._given[layer][1]]
+    mine = [split._given[layer][2][e] for e in split.host_experts(layer)]
+    a, b = split.line
+    for t in range(split.min_tokens, split.max_tokens + 1):
+        host = a + b * sum(1 - (1 - p) ** t for p in mine)
+        if split.expert_ms * sum(1 - (1 - p) ** t for p in out_p) > (1 + GATE_MARGIN) * host:
+            return t
+    return NEVER

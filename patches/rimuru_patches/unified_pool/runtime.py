@@ -386,15 +386,17 @@ class RimuruRuntime:
             torch.set_num_threads(1)
         # the GPU's read time of one offloaded expert: what a layer's split must beat (the gates)
         expert_ms = manager.shape.expert_bytes / (_in_place_read_gbps(device) * 1e6)
-        split = CpuSplit(manager.shape, host, device, share=config.cpu_experts, min_tokens=config.cpu_min_tokens,
+        split = CpuSplit(manager.shape, host, device, share=config.cpu_share, min_tokens=config.cpu_min_tokens,
                          max_tokens=config.cpu_max_tokens, threads=threads, expert_ms=expert_ms,
                          engine=config.cpu_engine)
         manager.attach_cpu_split(split)
         split.start()
-        logger.info("sglang-rimuru CPU split: %.2f of each layer's offloaded experts on %d host threads (%s) in "
+        logger.info("sglang-rimuru CPU split: %s of each layer's offloaded experts on %d host threads (%s) in "
                     "passes of %d-%d tokens (now %s a layer); a layer splits from the batch at which its offloaded "
                     "experts' reads (%.3f ms an expert) take longer than the host's measured time; torch "
-                    "intra-op threads %d", config.cpu_experts, split.threads, config.cpu_engine, config.cpu_min_tokens,
+                    "intra-op threads %d",
+                    ("the count balancing host and GPU (auto)" if config.cpu_share is None
+                     else f"{config.cpu_share:.2f}"), split.threads, config.cpu_engine, config.cpu_min_tokens,
                     config.cpu_max_tokens, _range(split.host_counts()), expert_ms, torch.get_num_threads())
         return split
 
@@ -621,11 +623,14 @@ class RimuruRuntime:
         if self.cpu_split is not None:
             cs = self.cpu_split.stats()
             gates = [g for g in self.cpu_split.gates() if g < self.cpu_split.max_tokens + 1]
-            logger.info("sglang-rimuru CPU split: %d layer requests served, %.2f ms and %.1f experts a request "
-                        "on the host (recent median %s); host experts a layer now %s; %d of %d layers "
-                        "split, from %s tokens", cs["requests"], cs["host_ms_per_request"],
+            line = cs["line"]
+            logger.info("sglang-rimuru CPU split: %d layer requests served, %.2f ms and %.1f routed experts a "
+                        "request on the host (recent median %s; line %s); host experts a layer now %s; %d of "
+                        "%d layers split, from %s tokens", cs["requests"], cs["host_ms_per_request"],
                         cs["host_experts_per_request"],
                         "not yet measured" if cs["host_ms"] is None else f"{cs['host_ms']:.2f} ms",
+                        "-" if line is None else (f"{line[0]:.2f} ms + {line[1]:.3f} an expert" + (
+                            "" if cs["design_tokens"] is None else f", balanced at {cs['design_tokens']} tokens")),
                         _range(self.cpu_split.host_counts()), len(gates), len(self.cpu_split.gates()),
                         _range(gates) if gates else "-")
 
