@@ -402,7 +402,7 @@ def test_split_layers_in_a_cuda_graph(T) -> None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
-        for _ in range(3):
+        def replay_and_check() -> None:
             fill()
             graph.replay()
             torch.cuda.synchronize()
@@ -417,7 +417,18 @@ def test_split_layers_in_a_cuda_graph(T) -> None:
                 assert torch.equal(outs[l].cpu(), want)
                 whole = m.compute_cuda(l, xs[j], ws[j], ids[j], m.table(l)).float().cpu()
                 assert (outs[l].float().cpu() - whole).abs().max() <= 0.02 * whole.abs().max() + 1e-3
+
+        for _ in range(3):
+            replay_and_check()
         assert split.stats()["requests"] == 2 * 4  # the eager step and 3 replays (a capture runs nothing)
+        # the host's experts move between replays (auto's counts as the host's line moves): the
+        # split tables are rewritten in stream order and the same graph follows them
+        for l in shape.layer_ids:
+            before = split.host_experts(l)
+            split._write_split(l, [rig.residency.offloaded(l)[0]])
+            assert len(before) == 2 and len(split.host_experts(l)) == 1
+        replay_and_check()
+        assert split.stats()["requests"] == 2 * 5
         # the same graph with both gates above its batch: read at replay, so no layer splits,
         # the host gets nothing and each layer is the GPU's over its home table
         split._gate.fill_(T + 1)
@@ -427,7 +438,7 @@ def test_split_layers_in_a_cuda_graph(T) -> None:
         split.check()
         for j, l in enumerate(shape.layer_ids):
             assert torch.equal(outs[l], m.compute_cuda(l, xs[j], ws[j], ids[j], m.table(l)))
-        assert split.stats()["requests"] == 2 * 4
+        assert split.stats()["requests"] == 2 * 5
     finally:
         split.close()
 
