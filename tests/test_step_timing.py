@@ -105,3 +105,33 @@ def test_with_a_trace_every_timed_step_is_written_for_the_cost_check(timing, tmp
 def test_without_a_trace_no_step_record_is_kept(timing, tmp_path):
     timing([("decode", 3, 0.01)] * 5)
     assert elastic._StepTiming.pending is None and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("gpu_share, want", [(None, 0.75 * 0.3), (0.4, 0.1)])
+def test_the_cpu_split_scales_the_floor_on_a_reads_price(monkeypatch, gpu_share, want):
+    """Steps at batch 64 with 48 experts out a layer that take the prior's resident line
+    plus 0.1 ms an expected read (the host computing most of them beside the GPU): without
+    the split the fit stops at its floor, 0.75 of the prior's 0.3 ms; with a split that
+    leaves the GPU 0.4 of the offloaded experts the floor is 0.09 and the fit's 0.1 stands."""
+    from rimuru_patches.unified_pool import runtime as rt
+    from sglang_rimuru.adjuster.cost import touched
+
+    st = elastic._StepTiming
+    for name, value in (("clock", None), ("last", None), ("before_last", False), ("reads_key", None),
+                        ("reads", 0.0), ("rounds", 0), ("pending", None), ("REFIT_ROUNDS", 64)):
+        monkeypatch.setattr(st, name, value)
+    split = None if gpu_share is None else SimpleNamespace(gpu_read_share=lambda: gpu_share)
+    monkeypatch.setattr(rt, "active", lambda: SimpleNamespace(cpu_split=split))
+    ps = [1 / 15] * 48
+    adjuster = SimpleNamespace(cost=CostModel(expert_ms=0.3, base_ms=5.9, per_request_ms=0.17), last_seq=0,
+                               in_flight=(), offloaded_token_probabilities=lambda: ps)
+    ctl = SimpleNamespace(adjuster=adjuster, trace_path=None)
+    scheduler = SimpleNamespace(tp_group=SimpleNamespace(world_size=1))
+    now = [0.0]
+    monkeypatch.setattr(elastic.time, "monotonic", lambda: now[0])
+    step_s = (5.9 + 0.17 * 64 + 0.1 * sum(touched(p, 64) for p in ps)) / 1e3
+    for _ in range(64):
+        st.round(scheduler, ctl, _batch("decode", 64))
+        now[0] += step_s
+    assert len(st.clock) == 62  # the first two rounds are not steps
+    assert adjuster.cost.expert_ms == pytest.approx(want)

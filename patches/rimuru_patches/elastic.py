@@ -344,7 +344,14 @@ class _StepTiming:
             cls.pending, cls.gpu_pending, cls.passes_pending, cls.mem_pending = [], [], [], []
         if not refit:
             return
-        fit = cls.clock.fit()
+        from rimuru_patches.unified_pool.runtime import active
+
+        runtime = active()
+        split = None if runtime is None else runtime.cpu_split
+        # the CPU split leaves the GPU only its share of the offloaded reads: the floor on a
+        # read's price follows (cost.py StepClock); 0 would be a split that takes them all
+        share = 1.0 if split is None else max(split.gpu_read_share(), 1e-3)
+        fit = cls.clock.fit(floor_scale=share)
         group = scheduler.tp_group
         if group.world_size > 1:
             import torch.distributed as dist
@@ -360,7 +367,9 @@ class _StepTiming:
         if now - cls.logged >= cls.LOG_S:  # what the evictions are priced with, now and then
             cls.logged = now
             logger.info("sglang-rimuru cost-aware adjuster: decode step %.2f ms + %.3f ms per request + %.3f ms "
-                        "per offloaded expert read (%d timed steps)", *fit, len(cls.clock))
+                        "per offloaded expert read (%d timed steps)%s", *fit, len(cls.clock),
+                        "" if split is None else f"; the CPU split leaves the GPU {share:.2f} of the offloaded "
+                        "experts, the floor on a read's price scaled by it")
 
 
 class _Metrics:

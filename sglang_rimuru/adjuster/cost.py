@@ -299,7 +299,12 @@ class StepClock:
        of a read hides behind compute (bench/RESULTS.md: 0-25 %). With a few
        experts out the reads are a small part of a step and the line's error
        decides the fit: the H200 run of ``3a91dd2`` fitted 0.092 ms against a
-       measured 0.34 with 5 experts out, and then evicted 133 more.
+       measured 0.34 with 5 experts out, and then evicted 133 more. With the CPU split
+       the GPU reads only its share of the offloaded experts (the host computes the
+       rest beside it), so the floor scales by that share (``fit(floor_scale)``):
+       otherwise a split that makes reads ~0.65x as dear (thirty-ninth session's
+       balance at 24 GB) would still be priced at 0.75x, and keep experts in that
+       its KV would pay for.
 
     Whatever the resident line misses lands in ``expert_ms``: a line too fast
     for this GPU (the prior on a slower card) makes reads look dearer, so the
@@ -339,15 +344,18 @@ class StepClock:
         """The kept ``(B, ms, R)`` records: the resident ones, then the reading ones."""
         return [(b, t, 0.0) for b, t in self._resident] + list(self._reading)
 
-    def fit(self) -> tuple[float, float, float]:
-        """``(base_ms, per_request_ms, expert_ms)``."""
+    def fit(self, floor_scale: float = 1.0) -> tuple[float, float, float]:
+        """``(base_ms, per_request_ms, expert_ms)``; ``floor_scale`` (0, 1]: the share of
+        the offloaded experts the GPU itself reads (the CPU split's; 1 without it)."""
+        if not 0.0 < floor_scale <= 1.0:
+            raise ValueError(f"StepClock.fit: floor_scale {floor_scale} is a share, in (0, 1]")
         base, per = self._resident_line()
         exp = self.prior[2]
         reading = self._reading
         if len(reading) >= self.min_samples:
             srr = sum(r * r for _, _, r in reading)
             exp = sum((t - base - per * b) * r for b, t, r in reading) / srr
-        return base, per, max(exp, (1.0 - self.MAX_HIDDEN) * self.prior[2])
+        return base, per, max(exp, (1.0 - self.MAX_HIDDEN) * self.prior[2] * floor_scale)
 
     def _resident_line(self) -> tuple[float, float]:
         base0, per0, _ = self.prior

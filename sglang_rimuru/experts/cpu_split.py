@@ -376,6 +376,14 @@ class CpuSplit:
         """The host's experts of ``layer`` as of its last table rewrite."""
         return list(self._host_experts[layer])
 
+    def gpu_read_share(self) -> float:
+        """The share of the offloaded experts (all layers, as the tables stand) the GPU
+        still reads where the layers split; 1.0 with none offloaded. The cost-aware
+        adjuster's floor on a read's price scales by it (``StepClock.fit``)."""
+        out = sum(len(self._out_p[l]) for l in self.shape.layer_ids)
+        host = sum(len(self._host_experts[l]) for l in self.shape.layer_ids)
+        return 1.0 if out == 0 else (out - host) / out
+
     def host_counts(self) -> list[int]:
         """How many experts the host has in each layer (forward order), for the logs."""
         return [len(self._host_experts[l]) for l in self.shape.layer_ids]

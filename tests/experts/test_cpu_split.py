@@ -537,3 +537,14 @@ def _least_paying_line(split, layer):
         if split.expert_ms * sum(1 - (1 - p) ** t for p in out_p) > (1 + GATE_MARGIN) * host:
             return t
     return NEVER
+
+
+def test_gpu_read_share_is_what_the_host_leaves_the_gpu() -> None:
+    pytest.importorskip("triton")
+    rig = make_rig(limit=4)  # three offloaded a layer
+    split = _split(rig, share=0.34)  # one of them on the host
+    rig.manager.attach_cpu_split(split)
+    assert split.gpu_read_share() == 4 / 6
+    rig.residency.evict(0, 5)  # layer 0: four out, the host still one (0.34 x 4 rounds to 1)
+    rig.manager.refresh_tables()
+    assert split.host_counts() == [1, 1] and split.gpu_read_share() == 5 / 7
