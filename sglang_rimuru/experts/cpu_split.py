@@ -33,7 +33,7 @@ host's measured line ``a + b x experts`` against the GPU's reads of the offloade
 left to it. Why (bench/RESULTS.md, thirty-ninth session): on an H100's host the forked
 engine took ~4-6 ms fixed and ~0.33 ms an expert more, about what the GPU takes to read one
 in place (0.34 ms), so the best count is near half of a layer's offloaded experts less the
-host's fixed time, not a share fixed by hand: with 48 out, ~20. Until the line is measured
+host's fixed time, not a share fixed by hand: with 48 out, ~17-18 (0.25 gives 12). Until the line is measured
 (and after each reprobe) every layer starts at ``AUTO_START_SHARE``.
 
 At which batch sizes (the gates): a layer split at ``T`` tokens takes
@@ -43,10 +43,10 @@ at least its offloaded reads: ``expert_ms * sum over the layer's offloaded exper
 (1 - (1 - p) ** T)`` (``p`` a token's probability of routing to it; cost.py's
 ``touched``), so a layer splits from the least ``T`` where that exceeds
 ``(1 + GATE_MARGIN) * h``. ``h`` is the host's time at ``T`` by its line (``host_line``,
-fitted to its last ``HOST_SAMPLES`` requests: their routed experts and times), or the median
-of those times where no line is fitted; until it has them (and again every ``REPROBE_S`` without a request, so a gate
-set high does not keep its own evidence from changing) every layer with host
-experts splits from ``min_tokens``. Why (bench/RESULTS.md, thirty-eighth session): on
+fitted to its last ``HOST_SAMPLES`` requests: their routed experts and times), or the
+median of those times where no line is fitted; until it has them (and again every
+``REPROBE_S`` without a request, so a gate set high does not keep its own evidence from
+changing) every layer with host experts splits from ``min_tokens``. Why (bench/RESULTS.md, thirty-eighth session): on
 an H100 the host took ~9-10 ms a layer request almost whatever its experts, and every
 split step of batch 9-40 took 187-232 ms, the host's floor, where elastic alone took
 118 ms at 9-16; at full batch the same split made steps 1.29-1.41x faster. Without
@@ -451,7 +451,8 @@ class CpuSplit:
         ms = (time.perf_counter() - t0) * 1e3
         # the experts it computed: those of its own the pass routed to (for the line; counted
         # before the reply, since the next request overwrites the mailbox: ~10 us)
-        routed = int((torch.bincount(mb.ids[:T].reshape(-1).long(), minlength=self.shape.num_experts)[mine] > 0).sum())
+        hits = torch.bincount(mb.ids[:T].reshape(-1).long(), minlength=self.shape.num_experts)
+        routed = int((hits[mine] > 0).sum())
         self._n["host_ms"] += ms
         self._n["requests"] += 1
         self._samples = (self._samples + [(routed, T, ms)])[-HOST_SAMPLES:]  # a new list: the scheduler reads it
