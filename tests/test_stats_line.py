@@ -1,9 +1,11 @@
 """The expert-traffic log line (``RimuruRuntime.log_stats_every``): every N forward passes,
 and also once a minute of passes, since passes that read offloaded experts can take a
-second each (500 of them outlast a benchmark run)."""
+second each (500 of them outlast a benchmark run); and the CPU split's /metrics gauges."""
 
 import logging
 from types import SimpleNamespace
+
+import pytest
 
 from rimuru_patches.unified_pool import runtime as rt
 from sglang_rimuru.experts.manager import ExpertStats
@@ -51,3 +53,28 @@ def test_the_split_line_says_what_the_host_takes_and_which_layers_split(monkeypa
         "host (recent median 9.25 ms; line 4.50 ms + 0.333 an expert, balanced at 96 tokens); host experts a "
         "layer now 0-8; 2 of 3 layers split, from 24-31 tokens",
     ]
+
+
+def test_the_split_gauges_say_what_the_host_takes() -> None:
+    """``sglang_rimuru:cpu_split_*`` on /metrics (``elastic._Metrics``): zeros without the
+    split; with it the host's experts over all layers, the layers whose gate opens within
+    the split's batches, the host's median and its requests."""
+    pytest.importorskip("triton")
+    from rimuru_patches.elastic import _Metrics
+    from sglang_rimuru.experts.cpu_split import CpuSplit
+
+    from .experts.rig import make_rig
+
+    assert _Metrics.split_values(None) == dict(cpu_split_host_experts=0, cpu_split_layers_split=0,
+                                               cpu_split_host_ms=0.0, cpu_split_requests=0)
+    rig = make_rig(limit=4)
+    split = CpuSplit(rig.shape, rig.host, "cpu", share=0.67, min_tokens=2, max_tokens=64, threads=2,
+                     expert_ms=0.5)  # two of three a layer
+    rig.manager.attach_cpu_split(split)
+    assert _Metrics.split_values(split) == dict(cpu_split_host_experts=4, cpu_split_layers_split=2,
+                                                cpu_split_host_ms=0.0, cpu_split_requests=0)
+    split.host_ms = 50.0  # a host no batch outlasts: every gate closed
+    split.regate()
+    assert _Metrics.split_values(split)["cpu_split_layers_split"] == 0
+    assert _Metrics.split_values(split)["cpu_split_host_ms"] == 50.0
+    assert set(_Metrics.split_values(split)) <= set(_Metrics.DOCS)  # each value has its gauge

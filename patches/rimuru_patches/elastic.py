@@ -399,6 +399,12 @@ class _Metrics:
         "bytes_copied": "Host-to-device expert bytes copied (cumulative)",
         "on_demand_loads": "Offloaded experts loaded after routing: load-buffer misses (cumulative)",
         "prefetch_hits": "Offloaded experts found prefetched (cumulative)",
+        "cpu_split_host_experts": "Offloaded experts the CPU split computes on the host's CPUs (all MoE layers; "
+                                  "0 without --rimuru-cpu-experts)",
+        "cpu_split_layers_split": "MoE layers whose CPU split gate opens within its batch range",
+        "cpu_split_host_ms": "The host's median time a CPU split layer request, over its last 32 (ms; 0 until "
+                             "measured)",
+        "cpu_split_requests": "CPU split layer requests the host served (cumulative)",
     }
 
     @classmethod
@@ -427,11 +433,24 @@ class _Metrics:
         from rimuru_patches.unified_pool.runtime import active
 
         values = ctl.snapshot()
-        stats = active().manager.stats()
+        runtime = active()
+        stats = runtime.manager.stats()
         values.update(bytes_copied=stats.bytes_copied, on_demand_loads=stats.on_demand_loads,
-                      prefetch_hits=stats.prefetch_hits)
+                      prefetch_hits=stats.prefetch_hits, **cls.split_values(runtime.cpu_split))
         for k, g in cls.gauges.items():
             g.labels(**cls.labels).set(values[k])
+
+
+    @staticmethod
+    def split_values(split) -> dict[str, float]:
+        """The CPU split's gauges (zeros without it)."""
+        if split is None:
+            return dict(cpu_split_host_experts=0, cpu_split_layers_split=0, cpu_split_host_ms=0.0,
+                        cpu_split_requests=0)
+        cs = split.stats()
+        return dict(cpu_split_host_experts=sum(split.host_counts()),
+                    cpu_split_layers_split=sum(1 for g in split.gates() if g <= split.max_tokens),
+                    cpu_split_host_ms=cs["host_ms"] or 0.0, cpu_split_requests=cs["requests"])
 
 
 _SCHED = "sglang.srt.managers.scheduler:Scheduler"

@@ -548,3 +548,4 @@ def test_gpu_read_share_is_what_the_host_leaves_the_gpu() -> None:
     rig.residency.evict(0, 5)  # layer 0: four out, the host still one (0.34 x 4 rounds to 1)
     rig.manager.refresh_tables()
     assert split.host_counts() == [1, 1] and split.gpu_read_share() == 5 / 7
+
