@@ -34,7 +34,7 @@ def test_the_split_line_says_what_the_host_takes_and_which_layers_split(monkeypa
     split = SimpleNamespace(
         stats=lambda: dict(requests=96, host_ms_per_request=9.5, host_experts_per_request=8.25,
                            host_ms=state["host_ms"], line=state["line"], design_tokens=96),
-        host_counts=lambda: [7, 8, 0], gates=lambda: [24, 31, never], max_tokens=128)
+        host_counts=lambda: [7, 8, 0], gates=lambda: [24, 31, never], open_gates=lambda: [24, 31])
     fake = SimpleNamespace(manager=SimpleNamespace(stats=lambda: ExpertStats(forwards=5)), _stats_logged=100.0,
                            cpu_split=split)
     messages = []

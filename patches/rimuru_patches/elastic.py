@@ -440,7 +440,6 @@ class _Metrics:
         for k, g in cls.gauges.items():
             g.labels(**cls.labels).set(values[k])
 
-
     @staticmethod
     def split_values(split) -> dict[str, float]:
         """The CPU split's gauges (zeros without it)."""
@@ -449,7 +448,7 @@ class _Metrics:
                         cpu_split_requests=0)
         cs = split.stats()
         return dict(cpu_split_host_experts=sum(split.host_counts()),
-                    cpu_split_layers_split=sum(1 for g in split.gates() if g <= split.max_tokens),
+                    cpu_split_layers_split=len(split.open_gates()),
                     cpu_split_host_ms=cs["host_ms"] or 0.0, cpu_split_requests=cs["requests"])
 
 

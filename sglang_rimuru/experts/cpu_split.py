@@ -33,8 +33,8 @@ host's measured line ``a + b x experts`` against the GPU's reads of the offloade
 left to it. Why (bench/RESULTS.md, thirty-ninth session): on an H100's host the forked
 engine took ~4-6 ms fixed and ~0.33 ms an expert more, about what the GPU takes to read one
 in place (0.34 ms), so the best count is near half of a layer's offloaded experts less the
-host's fixed time, not a share fixed by hand: with 48 out, ~17-18 (0.25 gives 12). Until the line is measured
-(and after each reprobe) every layer starts at ``AUTO_START_SHARE``.
+host's fixed time, not a share fixed by hand: with 48 out, ~17-18 (0.25 gives 12). Until
+the line is measured (and after each reprobe) every layer starts at ``AUTO_START_SHARE``.
 
 At which batch sizes (the gates): a layer split at ``T`` tokens takes
 ``max(the GPU's share, the host's time)`` instead of the GPU's whole layer, so it pays
@@ -212,8 +212,6 @@ class CpuSplit:
         self.expert_ms = expert_ms
         self._gate = torch.full((len(shape.layer_ids),), NEVER, dtype=torch.int32, device=self.device)
         self._gates = [NEVER] * len(shape.layer_ids)  # the host's copy of _gate
-        self._out_p: dict[int, list[float]] = {l: [] for l in shape.layer_ids}  # offloaded experts' p
-        self._host_p: dict[int, list[float]] = {l: [] for l in shape.layer_ids}  # the host's experts' p
         #: each layer's home rows, offloaded experts and token probabilities as last given
         #: (``update_layer``), from which the host's experts are chosen again as the line moves
         self._given: dict[int, tuple[list, list[int], list[float]]] = {}
@@ -252,7 +250,6 @@ class CpuSplit:
                              f"expected {tuple(self._split[layer].shape)} int32 on {self.device}")
         self._home[layer] = home
         self._given[layer] = ([tuple(r) for r in home_rows], list(offloaded), [float(p) for p in token_p])
-        self._out_p[layer] = [float(token_p[x]) for x in offloaded]
         mine = self._choose(layer)
         self._write_split(layer, mine)
         self._set_gates([layer])
@@ -271,7 +268,7 @@ class CpuSplit:
 
     def _write_split(self, layer: int, mine: list[int]) -> None:
         """``layer``'s split table: its home rows with ``mine``'s rows -1 (stream order)."""
-        home_rows, _, token_p = self._given[layer]
+        home_rows = self._given[layer][0]
         own = set(mine)
         rows = [(-1, -1, -1) if x in own else tuple(r) for x, r in enumerate(home_rows)]
         if any(-1 in r for x, r in enumerate(rows) if x not in own):
@@ -281,7 +278,6 @@ class CpuSplit:
             src = src.pin_memory()
         self._split[layer].copy_(src, non_blocking=self._cuda)
         self._host_experts[layer] = mine
-        self._host_p[layer] = [token_p[x] for x in mine]
 
     # ------------------------------------------------------------------ the gates
 
@@ -302,7 +298,8 @@ class CpuSplit:
             return self._never
         if self.expert_ms is None or self.host_ms is None:
             return self.min_tokens
-        ps, mine = self._out_p[layer], self._host_p[layer]
+        _, offloaded, token_p = self._given[layer]
+        ps, mine = [token_p[x] for x in offloaded], [token_p[x] for x in self._host_experts[layer]]
 
         def host(t: int) -> float:
             if self.line is None:
@@ -326,6 +323,11 @@ class CpuSplit:
     def gates(self) -> list[int]:
         """Each layer's gate (forward order), as last written to the device."""
         return list(self._gates)
+
+    def open_gates(self) -> list[int]:
+        """The gates that open within the split's passes (forward order): the layers that
+        split at some batch it serves (the log line's and the gauges' count)."""
+        return [g for g in self._gates if g <= self.max_tokens]
 
     def _set_gates(self, layers: Sequence[int]) -> None:
         """Write the gates of ``layers`` (stream order: before the next pass)."""
@@ -380,7 +382,7 @@ class CpuSplit:
         """The share of the offloaded experts (all layers, as the tables stand) the GPU
         still reads where the layers split; 1.0 with none offloaded. The cost-aware
         adjuster's floor on a read's price scales by it (``StepClock.fit``)."""
-        out = sum(len(self._out_p[l]) for l in self.shape.layer_ids)
+        out = sum(len(offloaded) for _, offloaded, _ in self._given.values())
         host = sum(len(self._host_experts[l]) for l in self.shape.layer_ids)
         return 1.0 if out == 0 else (out - host) / out
 

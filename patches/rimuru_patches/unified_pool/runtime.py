@@ -622,7 +622,7 @@ class RimuruRuntime:
         )
         if self.cpu_split is not None:
             cs = self.cpu_split.stats()
-            gates = [g for g in self.cpu_split.gates() if g < self.cpu_split.max_tokens + 1]
+            gates = self.cpu_split.open_gates()
             line = cs["line"]
             logger.info("sglang-rimuru CPU split: %d layer requests served, %.2f ms and %.1f routed experts a "
                         "request on the host (recent median %s; line %s); host experts a layer now %s; %d of "
