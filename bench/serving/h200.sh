@@ -133,6 +133,12 @@ for run in ${RUNS:-static32 elastic32}; do
     # elastic24dcpuauto, q3elastic32dcpuauto: --rimuru-cpu-experts auto (the balancing count)
     elastic24dcpuauto) one "$run" 24 q15 -- --rimuru-mode elastic --rimuru-cpu-experts auto ;;
     q3elastic32dcpuauto) one "$run" 32 q3 -- --rimuru-mode elastic --rimuru-cpu-experts auto ;;
+    # ... in-place reads (and the split's passes) up to 512 tokens, not 128: Qwen3's decode passes
+    # past the decode graphs' 160 (on default.json a uniform Qwen3 pass of up to ~500 tokens gives
+    # each expert one BLOCK_SIZE_M block, so in place reads each offloaded expert once, as a copy does)
+    q3elastic32dz512) one "$run" 32 q3 -- --rimuru-mode elastic --rimuru-zero-copy-max-tokens 512 ;;
+    q3elastic32dcpuautoz512) one "$run" 32 q3 -- --rimuru-mode elastic --rimuru-cpu-experts auto \
+        --rimuru-zero-copy-max-tokens 512 --rimuru-cpu-max-tokens 512 ;;
     elastic24dcpu*) one "$run" 24 q15 -- --rimuru-mode elastic --rimuru-cpu-experts "0.${run#elastic24dcpu}" ;;
     q3elastic32dcpu*) one "$run" 32 q3 -- --rimuru-mode elastic --rimuru-cpu-experts "0.${run#q3elastic32dcpu}" ;;
     # ... with SGLang's mixed chunked prefill: each prefill pass carries the running decodes, so a
