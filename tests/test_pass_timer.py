@@ -128,11 +128,13 @@ def seam(monkeypatch):
     monkeypatch.setattr(pass_timer, "CudaMemory", lambda cuda: FakeMemory())
     forward = up._forward(lambda self, fb: calls.append(("pass", fb.batch_size)) or "out", None)
 
-    def run(decode: bool, batch: int, capture: bool = False, mixed: bool = False, idle: bool = False):
+    def run(decode: bool, batch: int, capture: bool = False, mixed: bool = False, idle: bool = False,
+            tokens: int | None = None):
         capturing[0] = capture
         mode = SimpleNamespace(is_decode=lambda: decode, is_mixed=lambda: mixed,
                                is_extend=lambda: not decode and not idle)
-        return forward(None, SimpleNamespace(batch_size=batch, forward_mode=mode))
+        ids = None if tokens is None else up.torch.zeros(tokens, dtype=up.torch.int64)
+        return forward(None, SimpleNamespace(batch_size=batch, forward_mode=mode, input_ids=ids))
 
     return run, calls, runtime
 
@@ -149,6 +151,22 @@ def test_the_forward_seam_times_passes_with_their_kind_but_not_captures(seam):
     assert [(k, b) for k, b, _, _ in timer.collect_memory()] == [("decode", 7), ("extend", 12)]  # 40's span is open
     assert calls == ["begin", ("pass", 7), "end", "begin", ("pass", 12), "end", "begin", ("pass", 40), "end",
                      "begin", ("pass", 0), "end", "begin", ("pass", 8), "end"]
+
+
+def test_the_forward_seam_gives_the_cpu_split_each_passs_tokens(seam):
+    """With the CPU split, each pass's token count goes to ``note_pass`` (decode: its batch;
+    a prefill or mixed pass: all its tokens), after the host side is checked; not a pass
+    being captured, nor one without input ids."""
+    run, calls, runtime = seam
+    noted = []
+    runtime.cpu_split = SimpleNamespace(note_pass=noted.append)
+    runtime.check_cpu_split = lambda: calls.append("check")
+    run(True, 7, tokens=7)
+    run(False, 3, mixed=True, tokens=2048 + 2)
+    run(True, 8, capture=True, tokens=8)
+    run(False, 0, idle=True)
+    assert noted == [7, 2050]
+    assert calls[:3] == ["check", "begin", ("pass", 7)]
 
 
 def test_no_timer_without_a_trace_or_off_cuda(seam):

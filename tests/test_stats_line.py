@@ -33,8 +33,10 @@ def test_the_split_line_says_what_the_host_takes_and_which_layers_split(monkeypa
     state = {"host_ms": None, "line": None}
     split = SimpleNamespace(
         stats=lambda: dict(requests=96, host_ms_per_request=9.5, host_experts_per_request=8.25,
-                           host_ms=state["host_ms"], line=state["line"], design_tokens=96),
-        host_counts=lambda: [7, 8, 0], gates=lambda: [24, 31, never], open_gates=lambda: [24, 31])
+                           host_ms=state["host_ms"], line=state["line"], design_tokens=96,
+                           passes_shorter=40, passes_within=12, passes_longer=300),
+        host_counts=lambda: [7, 8, 0], gates=lambda: [24, 31, never], open_gates=lambda: [24, 31],
+        min_tokens=16, max_tokens=128)
     fake = SimpleNamespace(manager=SimpleNamespace(stats=lambda: ExpertStats(forwards=5)), _stats_logged=100.0,
                            cpu_split=split)
     messages = []
@@ -48,10 +50,11 @@ def test_the_split_line_says_what_the_host_takes_and_which_layers_split(monkeypa
     assert messages == [
         "sglang-rimuru CPU split: 96 layer requests served, 9.50 ms and 8.2 routed experts a request on the "
         "host (recent median not yet measured; line -); host experts a layer now 0-8; 2 of 3 layers split, "
-        "from 24-31 tokens",
+        "from 24-31 tokens; forward passes so far: 12 within its 16-128 tokens, 300 longer, 40 shorter",
         "sglang-rimuru CPU split: 96 layer requests served, 9.50 ms and 8.2 routed experts a request on the "
         "host (recent median 9.25 ms; line 4.50 ms + 0.333 an expert, balanced at 96 tokens); host experts a "
-        "layer now 0-8; 2 of 3 layers split, from 24-31 tokens",
+        "layer now 0-8; 2 of 3 layers split, from 24-31 tokens; forward passes so far: 12 within its 16-128 "
+        "tokens, 300 longer, 40 shorter",
     ]
 
 
@@ -66,13 +69,19 @@ def test_the_split_gauges_say_what_the_host_takes() -> None:
     from .experts.rig import make_rig
 
     assert _Metrics.split_values(None) == dict(cpu_split_host_experts=0, cpu_split_layers_split=0,
-                                               cpu_split_host_ms=0.0, cpu_split_requests=0)
+                                               cpu_split_host_ms=0.0, cpu_split_requests=0,
+                                               cpu_split_passes_within=0, cpu_split_passes_longer=0)
     rig = make_rig(limit=4)
     split = CpuSplit(rig.shape, rig.host, "cpu", share=0.67, min_tokens=2, max_tokens=64, threads=2,
                      expert_ms=0.5)  # two of three a layer
     rig.manager.attach_cpu_split(split)
     assert _Metrics.split_values(split) == dict(cpu_split_host_experts=4, cpu_split_layers_split=2,
-                                                cpu_split_host_ms=0.0, cpu_split_requests=0)
+                                                cpu_split_host_ms=0.0, cpu_split_requests=0,
+                                                cpu_split_passes_within=0, cpu_split_passes_longer=0)
+    for tokens in (1, 2, 64, 65, 2048):  # the range is 2..64
+        split.note_pass(tokens)
+    assert {k: v for k, v in _Metrics.split_values(split).items() if "passes" in k} == dict(
+        cpu_split_passes_within=2, cpu_split_passes_longer=2)
     split.host_ms = 50.0  # a host no batch outlasts: every gate closed
     split.regate()
     assert _Metrics.split_values(split)["cpu_split_layers_split"] == 0

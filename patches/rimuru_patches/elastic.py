@@ -405,6 +405,9 @@ class _Metrics:
         "cpu_split_host_ms": "The host's median time a CPU split layer request, over its last 32 (ms; 0 until "
                              "measured)",
         "cpu_split_requests": "CPU split layer requests the host served (cumulative)",
+        "cpu_split_passes_within": "Forward passes within the CPU split's token range (cumulative)",
+        "cpu_split_passes_longer": "Forward passes longer than the CPU split's token range, which it takes no "
+                                   "part in (cumulative)",
     }
 
     @classmethod
@@ -445,11 +448,12 @@ class _Metrics:
         """The CPU split's gauges (zeros without it)."""
         if split is None:
             return dict(cpu_split_host_experts=0, cpu_split_layers_split=0, cpu_split_host_ms=0.0,
-                        cpu_split_requests=0)
+                        cpu_split_requests=0, cpu_split_passes_within=0, cpu_split_passes_longer=0)
         cs = split.stats()
         return dict(cpu_split_host_experts=sum(split.host_counts()),
                     cpu_split_layers_split=len(split.open_gates()),
-                    cpu_split_host_ms=cs["host_ms"] or 0.0, cpu_split_requests=cs["requests"])
+                    cpu_split_host_ms=cs["host_ms"] or 0.0, cpu_split_requests=cs["requests"],
+                    cpu_split_passes_within=cs["passes_within"], cpu_split_passes_longer=cs["passes_longer"])
 
 
 _SCHED = "sglang.srt.managers.scheduler:Scheduler"

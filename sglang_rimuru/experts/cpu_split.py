@@ -230,6 +230,8 @@ class CpuSplit:
                          for l in shape.layer_ids}
         self._experts = CpuExperts(threads, engine=engine)
         self._n = dict(requests=0, host_ms=0.0, host_experts=0)
+        #: forward passes by their tokens against min_tokens..max_tokens (``note_pass``)
+        self._passes = dict(shorter=0, within=0, longer=0)
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._last = 0
@@ -392,6 +394,16 @@ class CpuSplit:
 
     # ------------------------------------------------------------------ the pass
 
+    def note_pass(self, tokens: int) -> None:
+        """Count one forward pass of ``tokens`` tokens as shorter than, within or longer than
+        the split's range (the scheduler's thread, each pass, replayed graphs too). Why: the
+        host's requests say what the split served, not what it could not: a Qwen3-30B-A3B
+        server whose passes were all 2,048-token mixed passes or decode batches of ~300
+        served none in its traffic, and said so nowhere (bench/RESULTS.md, forty-second
+        session)."""
+        self._passes["shorter" if tokens < self.min_tokens else "longer" if tokens > self.max_tokens
+                     else "within"] += 1
+
     def applies(self, tokens: int) -> bool:
         """Whether a pass of ``tokens`` tokens splits (a graph captured for it keeps
         the handshake; layers with no host experts then skip it on the device)."""
@@ -497,10 +509,13 @@ class CpuSplit:
     def stats(self) -> dict[str, float]:
         """Requests served (one per layer of a split pass whose layer had host experts),
         the host's mean ms and routed experts a request, the median and line the gates use
-        (None until measured), and the batch the balancing counts are for (None with a
-        fixed share)."""
+        (None until measured), the batch the balancing counts are for (None with a
+        fixed share), and the forward passes shorter than, within and longer than its range
+        (``note_pass``)."""
         n = dict(self._n)
         r = max(1, n["requests"])
         return dict(requests=n["requests"], host_ms_per_request=n["host_ms"] / r,
                     host_experts_per_request=n["host_experts"] / r, host_ms=self.host_ms,
-                    line=self.line, design_tokens=self.design_tokens if self.share is None else None)
+                    line=self.line, design_tokens=self.design_tokens if self.share is None else None,
+                    passes_shorter=self._passes["shorter"], passes_within=self._passes["within"],
+                    passes_longer=self._passes["longer"])

@@ -549,3 +549,17 @@ def test_gpu_read_share_is_what_the_host_leaves_the_gpu() -> None:
     rig.manager.refresh_tables()
     assert split.host_counts() == [1, 1] and split.gpu_read_share() == 5 / 7
 
+
+
+def test_passes_are_counted_against_the_splits_token_range() -> None:
+    """``note_pass``: each forward pass shorter than, within or longer than
+    ``min_tokens..max_tokens`` (both ends within), in ``stats()``: what says the split sat
+    out a traffic whose passes were all longer."""
+    pytest.importorskip("triton")
+    rig = make_rig(limit=4)
+    split = _split(rig, min_tokens=16, max_tokens=128)
+    for tokens in (1, 15, 16, 100, 128, 129, 2348, 300):
+        split.note_pass(tokens)
+    cs = split.stats()
+    assert (cs["passes_shorter"], cs["passes_within"], cs["passes_longer"]) == (2, 3, 3)
+    assert cs["requests"] == 0  # counting passes serves nothing on the host

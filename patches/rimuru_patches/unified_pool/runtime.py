@@ -398,6 +398,14 @@ class RimuruRuntime:
                     ("the count balancing host and GPU (auto)" if config.cpu_share is None
                      else f"{config.cpu_share:.2f}"), split.threads, config.cpu_engine, config.cpu_min_tokens,
                     config.cpu_max_tokens, _range(split.host_counts()), expert_ms, torch.get_num_threads())
+        if config.cpu_max_tokens > config.zero_copy_max_tokens:
+            # the split rides on in-place reads (moe_forward): an eager pass past the in-place
+            # range takes the copy path, which has no split
+            logger.warning("sglang-rimuru CPU split: --rimuru-cpu-max-tokens %d is above --rimuru-zero-copy-max-tokens "
+                           "%d: an eager pass of %d-%d tokens (past the decode graphs) copies its offloaded experts "
+                           "unless they are cold enough to read in place, and the split takes no part in a pass "
+                           "that copies; raise both together", config.cpu_max_tokens, config.zero_copy_max_tokens,
+                           config.zero_copy_max_tokens + 1, config.cpu_max_tokens)
         return split
 
     def check_cpu_split(self) -> None:
@@ -626,13 +634,15 @@ class RimuruRuntime:
             line = cs["line"]
             logger.info("sglang-rimuru CPU split: %d layer requests served, %.2f ms and %.1f routed experts a "
                         "request on the host (recent median %s; line %s); host experts a layer now %s; %d of "
-                        "%d layers split, from %s tokens", cs["requests"], cs["host_ms_per_request"],
+                        "%d layers split, from %s tokens; forward passes so far: %d within its %d-%d tokens, "
+                        "%d longer, %d shorter", cs["requests"], cs["host_ms_per_request"],
                         cs["host_experts_per_request"],
                         "not yet measured" if cs["host_ms"] is None else f"{cs['host_ms']:.2f} ms",
                         "-" if line is None else (f"{line[0]:.2f} ms + {line[1]:.3f} an expert" + (
                             "" if cs["design_tokens"] is None else f", balanced at {cs['design_tokens']} tokens")),
                         _range(self.cpu_split.host_counts()), len(gates), len(self.cpu_split.gates()),
-                        _range(gates) if gates else "-")
+                        _range(gates) if gates else "-", cs["passes_within"], self.cpu_split.min_tokens,
+                        self.cpu_split.max_tokens, cs["passes_longer"], cs["passes_shorter"])
 
     def prefill_graph_may_replay(self, num_tokens: int) -> bool:
         """Whether a captured prefill pass of ``num_tokens`` tokens may replay.
