@@ -401,8 +401,8 @@ class CpuSplit:
         server whose passes were all 2,048-token mixed passes or decode batches of ~300
         served none in its traffic, and said so nowhere (bench/RESULTS.md, forty-second
         session)."""
-        self._passes["shorter" if tokens < self.min_tokens else "longer" if tokens > self.max_tokens
-                     else "within"] += 1
+        self._passes["within" if self.applies(tokens) else "shorter" if tokens < self.min_tokens
+                     else "longer"] += 1
 
     def applies(self, tokens: int) -> bool:
         """Whether a pass of ``tokens`` tokens splits (a graph captured for it keeps

@@ -550,7 +550,6 @@ def test_gpu_read_share_is_what_the_host_leaves_the_gpu() -> None:
     assert split.host_counts() == [1, 1] and split.gpu_read_share() == 5 / 7
 
 
-
 def test_passes_are_counted_against_the_splits_token_range() -> None:
     """``note_pass``: each forward pass shorter than, within or longer than
     ``min_tokens..max_tokens`` (both ends within), in ``stats()``: what says the split sat

@@ -140,12 +140,11 @@ def _forward(orig, ctx):
             return orig(self, forward_batch, *args, **kwargs)
         if runtime.cpu_split is not None:  # a failed host side stops the server here, loudly
             runtime.check_cpu_split()
+            if forward_batch.input_ids is not None and not torch.cuda.is_current_stream_capturing():
+                # every pass, replayed graphs too: the split's log line and gauges say how many of
+                # them its token range covers (moe_forward runs no Python when a graph replays)
+                runtime.cpu_split.note_pass(int(forward_batch.input_ids.shape[0]))
         runtime.manager.begin_forward()
-        if (runtime.cpu_split is not None and forward_batch.input_ids is not None
-                and not torch.cuda.is_current_stream_capturing()):
-            # every pass, replayed graphs too: the split's log line and gauges say how many of
-            # them its token range covers (moe_forward runs no Python when a graph replays)
-            runtime.cpu_split.note_pass(int(forward_batch.input_ids.shape[0]))
         if runtime.elastic is not None:  # this round's migration order rides along this pass
             runtime.elastic.before_forward()
         # each pass's GPU time and kind, for the step record (elastic with a trace; pass_timer.py)
