@@ -289,7 +289,7 @@ class RimuruConfig:
             default=RimuruConfig.cpu_experts,
             metavar="SHARE|auto",
             help="The CPU split (GPU only, TP 1): in forward passes of --rimuru-cpu-min-tokens to "
-            "--rimuru-cpu-max-tokens tokens (the decode graphs), this share of each MoE layer's offloaded "
+            "--rimuru-cpu-max-tokens tokens (the decode graphs, and eager passes up to that size), this share of each MoE layer's offloaded "
             "experts (the most often routed) is computed by the host's CPUs from host memory while the GPU "
             "reads the rest over PCIe; only hidden states and routing cross the link for them. Outputs "
             "are not bit-equal to the GPU's. 0 (default): off. auto: each layer's count balances the "
@@ -325,7 +325,8 @@ class RimuruConfig:
             default=RimuruConfig.cpu_max_tokens,
             metavar="N",
             help="Largest pass (tokens) the CPU split takes part in (default %(default)s: the host's "
-            "matmuls grow with the tokens routed to its experts).",
+            "matmuls grow with the tokens routed to its experts). Passes past --rimuru-zero-copy-max-tokens "
+            "copy the GPU's offloaded experts and leave the host's uncopied.",
         )
         group.add_argument(
             "--rimuru-record-routing",

@@ -206,6 +206,10 @@ class CpuSplit:
         self._split = {l: torch.full((e, 3), -1, dtype=torch.int32, device=self.device) for l in shape.layer_ids}
         #: the table the GPU's share ran on in the layer's last pass (pack_request writes it)
         self._used = {l: torch.full((e, 3), -1, dtype=torch.int32, device=self.device) for l in shape.layer_ids}
+        #: the copy path's split table: its working table with the host's rows -1 (``forward_copied``)
+        self._copied = {l: torch.full((e, 3), -1, dtype=torch.int32, device=self.device) for l in shape.layer_ids}
+        #: the host's experts of each layer on the device (``forward_copied`` masks their rows)
+        self._host_index = {l: torch.zeros(0, dtype=torch.int64, device=self.device) for l in shape.layer_ids}
         #: the home tables (the manager's, persistent), given by ``update_layer``
         self._home: dict[int, torch.Tensor] = {}
         self._never = NEVER
@@ -279,6 +283,8 @@ class CpuSplit:
         if self._cuda:  # pinned + async: a pageable copy would wait for the running pass
             src = src.pin_memory()
         self._split[layer].copy_(src, non_blocking=self._cuda)
+        index = torch.tensor(mine, dtype=torch.int64)
+        self._host_index[layer] = index.pin_memory().to(self.device, non_blocking=True) if self._cuda else index
         self._host_experts[layer] = mine
 
     # ------------------------------------------------------------------ the gates
@@ -409,20 +415,53 @@ class CpuSplit:
         the handshake; layers with no host experts then skip it on the device)."""
         return self.min_tokens <= tokens <= self.max_tokens
 
+    def host_experts_at(self, layer: int, tokens: int) -> list[int]:
+        """The host's experts of ``layer`` in an eager pass of ``tokens`` tokens: all of
+        them where the layer splits at that count (the split's range and the layer's gate,
+        the host's copy of it), else none. The copy path leaves these uncopied
+        (``ExpertManager.forward_copy_path``)."""
+        if not self.applies(tokens) or tokens < self._gates[self.shape.position(layer)]:
+            return []
+        return self._host_experts[layer]
+
     def forward(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 gpu_compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The layer's routed-expert output: ``gpu_compute(split_table)`` (the paged
         kernel over resident experts and the GPU's offloaded ones) plus the host's
         share. Enqueues only (no sync): CUDA-graph safe once the host thread runs."""
-        from rimuru_kernels.handshake import add_reply, await_reply, pack_request, post_request
+        self._check_ready(layer)
+        return self._split_pass(layer, x, topk_weights, topk_ids, self._split[layer], self._home[layer], gpu_compute)
 
+    def forward_copied(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       table: torch.Tensor, gpu_compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``forward`` for an eager pass that copies its offloaded experts (the copy path):
+        ``table`` is the layer's working table as ``prepare_layer`` left it (load-buffer
+        rows for what it copied, home rows for the host's experts, which it did not copy).
+        The GPU's share runs on it with the host's rows -1; where the device's gate does
+        not open (it agrees with ``host_experts_at``, which the caller asked), on ``table``
+        whole: the host's experts then read in place, still right."""
+        self._check_ready(layer)
+        masked = self._copied[layer]
+        masked.copy_(table)
+        masked[self._host_index[layer]] = -1
+        return self._split_pass(layer, x, topk_weights, topk_ids, masked, table, gpu_compute)
+
+    def _check_ready(self, layer: int) -> None:
         if self._thread is None:
             raise CpuSplitFailed("the CPU split's host thread is not running (call start())")
         if layer not in self._home:
             raise CpuSplitFailed(f"layer {layer} has no home table yet (attach the split to the manager)")
+
+    def _split_pass(self, layer: int, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    split: torch.Tensor, home: torch.Tensor,
+                    gpu_compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Post the host's request (where the layer's gate opens at x's rows), run the
+        GPU's share on ``split`` (``home`` where the gate stays shut), add the reply."""
+        from rimuru_kernels.handshake import add_reply, await_reply, pack_request, post_request
+
         pos, used, T = self.shape.position(layer), self._used[layer], x.shape[0]
         mb = self.mailbox
-        pack_request(mb, x, topk_ids, topk_weights, self._split[layer], self._home[layer], used, self._gate, pos)
+        pack_request(mb, x, topk_ids, topk_weights, split, home, used, self._gate, pos)
         post_request(mb, self._gate, pos, layer, T)
         gpu = gpu_compute(used)
         await_reply(mb, self._gate, pos, T, self.max_spins)

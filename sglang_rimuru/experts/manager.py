@@ -9,6 +9,8 @@ Two ways to make every routed expert readable:
         # into a load buffer; reads routing on the host (one sync per layer)
         manager.prefetch_next(l, hidden)           # guess layer p+1's experts, copy them
         table = manager.prepare_layer(l, topk_ids) # copy what is routed and missing
+        # (forward_copy_path does both and the kernel, leaving the CPU split's host
+        # experts uncopied where the layer splits)
         # zero-copy path (CUDA graphs, small batches): nothing to do on the host
         table = manager.table(l)                   # offloaded experts read from pinned host memory
         out = manager.compute(l, hidden, topk_weights, topk_ids, table)
@@ -56,7 +58,7 @@ change ``_tables`` in place between passes (no recapture).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, Collection, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -258,8 +260,10 @@ class ExpertManager:
             self._pass_ev.record(torch.cuda.current_stream(self.device))
         self.refresh_tables()
 
-    def prepare_layer(self, layer_id: int, topk_ids: torch.Tensor) -> torch.Tensor:
+    def prepare_layer(self, layer_id: int, topk_ids: torch.Tensor, skip: Collection[int] = ()) -> torch.Tensor:
         """Make every expert routed in ``topk_ids`` readable; return the layer's table.
+        ``skip``: offloaded experts not to copy (the CPU split's host computes them); they
+        keep their home rows.
 
         Offloaded routed experts: a slot of buffer ``position % 2`` that the
         prefetch filled (hit), else copied now from the host store into the
@@ -283,7 +287,8 @@ class ExpertManager:
         # A routed expert whose restore copy is under way is read from its reserved
         # pages (after that copy), not copied a second time into a load buffer.
         restoring = {e: p for e, p in self._uploading.get(layer_id, {}).items() if e in routed}
-        needed = [e for e in offloaded if e in routed and e not in restoring]  # ranking order
+        skip = set(skip)
+        needed = [e for e in offloaded if e in routed and e not in restoring and e not in skip]  # ranking order
 
         b = pos % NUM_LOAD_BUFFERS
         st = self._bufs[b]
@@ -321,13 +326,14 @@ class ExpertManager:
         if self._offloaded_now[layer_id]:
             self._n["in_place_layers"] += 1
 
-    def prefetch_next(self, layer_id: int, hidden_states: torch.Tensor) -> None:
+    def prefetch_next(self, layer_id: int, hidden_states: torch.Tensor, skip: Collection[int] = ()) -> None:
         """Guess the next MoE layer's experts from this layer's MoE input and copy them.
 
         ``gates[next](hidden_states)`` -> top_k per token -> the offloaded ones,
         most tokens first (ties: ranking order), at most ``slots`` -> slots
         0, 1, ... of the next layer's buffer.  No-op without gates, on the last
-        layer, or when the next layer has nothing offloaded.
+        layer, or when the next layer has nothing offloaded. ``skip``: the next
+        layer's experts not to copy (the CPU split's host computes them).
         """
         nxt = self.shape.next_layer(layer_id)
         if self.gates is None or nxt is None:
@@ -343,7 +349,8 @@ class ExpertManager:
         picked = torch.topk(logits, self.shape.top_k, dim=-1).indices
         counts = torch.bincount(picked.reshape(-1), minlength=self.shape.num_experts).tolist()
         restoring = self._uploading.get(nxt, {})
-        want = [e for e in offloaded if counts[e] > 0 and e not in restoring]  # deduplicated
+        skip = set(skip)
+        want = [e for e in offloaded if counts[e] > 0 and e not in restoring and e not in skip]  # deduplicated
         want.sort(key=lambda e: -counts[e])  # stable: ties stay in ranking order
         want = want[: self.load_buffers.slots]
 
@@ -358,6 +365,26 @@ class ExpertManager:
         plan = self._assign_slots(st, new, nxt)
         self._copy_into_buffer(nxt, b, plan, prefetch=True)
         self._n["prefetched"] += len(plan)
+
+    def forward_copy_path(self, layer_id: int, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                          topk_ids: torch.Tensor) -> torch.Tensor:
+        """One layer on the copy path: the next layer's predicted loads first (they overlap
+        this layer's compute), this layer's routed offloaded experts made readable, the
+        kernel. With the CPU split attached, where a layer splits at this pass's tokens
+        (``CpuSplit.host_experts_at``) its host experts are neither prefetched nor copied:
+        the host computes them beside the GPU's share (``CpuSplit.forward_copied``), so PCIe
+        carries only the rest. (An eager Qwen3-30B-A3B decode pass at ~320 running copies at
+        53 GB/s where in-place reads move 41: bench/RESULTS.md, forty-third session.)"""
+        split, tokens = self.cpu_split, hidden.shape[0]
+        nxt = self.shape.next_layer(layer_id)
+        skip_next = split.host_experts_at(nxt, tokens) if split is not None and nxt is not None else ()
+        self.prefetch_next(layer_id, hidden, skip=skip_next)
+        host = split.host_experts_at(layer_id, tokens) if split is not None else []
+        table = self.prepare_layer(layer_id, topk_ids, skip=host)
+        if not host:
+            return self.compute(layer_id, hidden, topk_weights, topk_ids, table)
+        return split.forward_copied(layer_id, hidden, topk_weights, topk_ids, table, lambda used: self.compute_cuda(
+            layer_id, hidden, topk_weights, topk_ids, used, absent_is_zero=True))
 
     # ================================================================ compute
 

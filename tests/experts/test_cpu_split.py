@@ -562,3 +562,115 @@ def test_passes_are_counted_against_the_splits_token_range() -> None:
     cs = split.stats()
     assert (cs["passes_shorter"], cs["passes_within"], cs["passes_longer"]) == (2, 3, 3)
     assert cs["requests"] == 0  # counting passes serves nothing on the host
+
+
+def test_the_host_experts_of_an_eager_pass_follow_the_range_and_the_gate() -> None:
+    """``host_experts_at``: a layer's host experts where a pass of that many tokens splits
+    (within ``min_tokens..max_tokens`` and at or past the layer's gate), else none."""
+    pytest.importorskip("triton")
+    rig, m, split = _tiny_attached(fragment=True, share=0.67, min_tokens=2, max_tokens=8)
+    mine = split.host_experts(0)
+    assert len(mine) == 2
+    assert [split.host_experts_at(0, t) for t in (1, 2, 8, 9)] == [[], mine, mine, []]
+    split._gates[0] = 5  # as regate would set it: layer 0 splits from 5 tokens
+    assert [split.host_experts_at(0, t) for t in (4, 5)] == [[], mine]
+    assert split.host_experts_at(1, 4) == split.host_experts(1)  # the other layer's gate is its own
+
+
+def _copy_path_pass(m, split, layer, T, seed):
+    """One layer's inputs, routed to one host expert and one GPU-offloaded expert (both
+    offloaded) besides the rest, and the manager ready for a pass."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, 32, generator=g).to(torch.bfloat16)
+    w, ids = route(T, 8, 2, g)
+    gpu_out = [e for e in m.residency.offloaded(layer) if e not in split.host_experts(layer)]
+    ids[:, 0] = split.host_experts(layer)[0]
+    ids[:, 1] = gpu_out[0]
+    m.begin_forward()
+    return x, w, ids, gpu_out[0]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("T", [3, 6])
+def test_the_copy_path_splits_with_the_hosts_experts_uncopied(T) -> None:
+    """An eager pass past the in-place range (the copy path) where the layer splits: the
+    GPU's offloaded experts are copied into the load buffer, the host's are not (their
+    working rows stay home rows), and the layer is the GPU's share over the copies plus
+    the host's, as the in-place split computes it (the same pages' values either way)."""
+    _interpreter_only("CUDA present: the server runs cover the split on the GPU")
+    rig, m, split = _tiny_attached(fragment=True, share=0.67)  # two of three offloaded on the host
+    split.start()
+    try:
+        for layer in rig.shape.layer_ids:
+            x, w, ids, copied = _copy_path_pass(m, split, layer, T, seed=T + layer)
+            loads = m.stats().on_demand_loads
+            got = m.forward_copy_path(layer, x, w, ids)
+            held = m.buffer_content(rig.shape.position(layer) % 2).slots
+            assert copied in held and not set(split.host_experts(layer)) & set(held)
+            assert m.stats().on_demand_loads == loads + 1  # the GPU's one, not the host's
+            want, _ = _layer_reference(rig, split, layer, x, w, ids)
+            assert torch.equal(got, want)
+            # the split's table for the GPU: the working rows, the host's -1
+            host = split.host_experts(layer)
+            assert all(r == [-1, -1, -1] for r in split._used[layer][host].tolist())
+            assert split._used[layer][copied].tolist() == m._work[layer][copied].tolist()
+            m.end_forward()
+        split.check()
+        assert split.stats()["requests"] == 2
+    finally:
+        split.close()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_copy_path_copies_every_routed_expert_where_the_layer_does_not_split() -> None:
+    """Past the split's range (and below a layer's gate) the copy path is what it was: every
+    routed offloaded expert copied, no request to the host; and the next layer's prefetch
+    leaves out its host experts only where that layer splits at this pass's tokens."""
+    _interpreter_only("CUDA present")
+    rig, m, split = _tiny_attached(fragment=True, share=0.67, min_tokens=1, max_tokens=4)
+    split.start()
+    try:
+        x, w, ids, copied = _copy_path_pass(m, split, 0, 5, seed=11)  # 5 > max_tokens
+        got = m.forward_copy_path(0, x, w, ids)
+        held = m.buffer_content(0).slots
+        assert copied in held and split.host_experts(0)[0] in held
+        assert torch.equal(got, m.compute(0, x, w, ids, m._work[0]))  # (on CPU tensors: compute_cpu)
+        assert split.stats()["requests"] == 0 and int(split.mailbox.flags[0]) == 0
+        m.end_forward()
+        # the next layer's prefetch, from layer 0 (random gates route every expert of layer 1
+        # that some token picks): within the range, the host's experts of layer 1 stay home
+        g = torch.Generator().manual_seed(12)
+        wide = torch.randn(64, 32, generator=g).to(torch.bfloat16)
+        for tokens, host_prefetched in ((5, True), (3, False)):
+            m.begin_forward()
+            m.prefetch_next(0, wide, skip=split.host_experts_at(1, tokens))
+            held = set(m.buffer_content(1).slots)
+            assert bool(held & set(split.host_experts(1))) == host_prefetched
+            assert held - set(split.host_experts(1))  # the GPU's are prefetched either way
+            m.end_forward()
+    finally:
+        split.close()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_copied_pass_whose_device_gate_stays_shut_reads_the_host_experts_in_place() -> None:
+    """Where the device's gate does not open (``forward_copied`` run past what the host's
+    copy of the gate said), the GPU's share runs the working table whole: the host's
+    experts, not copied, are read in place from their home rows; no request, still right."""
+    _interpreter_only("CUDA present")
+    rig, m, split = _tiny_attached(fragment=True, share=0.67, min_tokens=1, max_tokens=16)
+    split.start()
+    try:
+        T = 3
+        x, w, ids, _ = _copy_path_pass(m, split, 0, T, seed=21)
+        host = split.host_experts_at(0, T)
+        table = m.prepare_layer(0, ids, skip=host)
+        assert table[host[0]].tolist() == m.table(0)[host[0]].tolist()  # its home row: host pages
+        split._gate[0] = T + 1  # the device's gate shut for this pass
+        got = split.forward_copied(0, x, w, ids, table,
+                                   lambda t: m.compute_cuda(0, x, w, ids, t, absent_is_zero=True))
+        assert torch.equal(got, m.compute_cuda(0, x, w, ids, table))
+        assert torch.equal(split._used[0], table)
+        assert split.stats()["requests"] == 0
+    finally:
+        split.close()

@@ -399,13 +399,11 @@ class RimuruRuntime:
                      else f"{config.cpu_share:.2f}"), split.threads, config.cpu_engine, config.cpu_min_tokens,
                     config.cpu_max_tokens, _range(split.host_counts()), expert_ms, torch.get_num_threads())
         if config.cpu_max_tokens > config.zero_copy_max_tokens:
-            # the split rides on in-place reads (moe_forward): an eager pass past the in-place
-            # range takes the copy path, which has no split
-            logger.warning("sglang-rimuru CPU split: --rimuru-cpu-max-tokens %d is above --rimuru-zero-copy-max-tokens "
-                           "%d: an eager pass of %d-%d tokens (past the decode graphs) copies its offloaded experts "
-                           "unless they are cold enough to read in place, and the split takes no part in a pass "
-                           "that copies; raise both together", config.cpu_max_tokens, config.zero_copy_max_tokens,
-                           config.zero_copy_max_tokens + 1, config.cpu_max_tokens)
+            # passes past the in-place range copy their offloaded experts (moe_forward): there
+            # the split leaves its host experts uncopied (ExpertManager.forward_copy_path)
+            logger.info("sglang-rimuru CPU split: passes of %d-%d tokens copy the GPU's offloaded experts "
+                        "(past --rimuru-zero-copy-max-tokens %d) and split with the host's left uncopied",
+                        config.zero_copy_max_tokens + 1, config.cpu_max_tokens, config.zero_copy_max_tokens)
         return split
 
     def check_cpu_split(self) -> None:
@@ -715,8 +713,7 @@ class RimuruRuntime:
         elif in_place:
             out = self.manager.compute(lid, x, topk_weights, topk_ids, self.manager.table(lid))
         else:
-            # The next layer's predicted loads go out first, so they overlap this layer's compute.
-            self.manager.prefetch_next(lid, x)
-            table = self.manager.prepare_layer(lid, topk_ids)
-            out = self.manager.compute(lid, x, topk_weights, topk_ids, table)
+            # prefetch, copies and the kernel; where the CPU split takes this pass (its range may
+            # reach past the in-place one), its host experts are computed there, not copied
+            out = self.manager.forward_copy_path(lid, x, topk_weights, topk_ids)
         return StandardCombineInput(hidden_states=out)
