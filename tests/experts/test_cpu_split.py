@@ -674,3 +674,46 @@ def test_a_copied_pass_whose_device_gate_stays_shut_reads_the_host_experts_in_pl
         assert split.stats()["requests"] == 0
     finally:
         split.close()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_copy_path_split_at_qwen3s_routing_and_a_decode_batch_past_the_graphs() -> None:
+    """Qwen3-30B-A3B's routing geometry (128 experts, top-8; narrow matrices to keep the
+    interpreter quick) at 300 tokens, the eager decode batch the copy path serves there, with
+    96 of 128 experts out a layer and 24 of them on the host: the host's experts cross no
+    copy, every other routed one out is copied or prefetched, and the layer equals the
+    in-place split's (the GPU's share over the split table plus the host's)."""
+    _interpreter_only("CUDA present: the server runs cover the split on the GPU")
+    shape = tiny_shape(E=128, I=16, H=32, k=8)
+    rig = make_rig(shape, limit=96, resident=32, pages=1000, gates="random")  # slots for every one out
+    m = rig.manager
+    split = _split(rig, share=0.25, min_tokens=16, max_tokens=512)
+    m.attach_cpu_split(split)
+    split.start()
+    try:
+        g = torch.Generator().manual_seed(30)
+        T = 300
+        for layer in shape.layer_ids:
+            host = split.host_experts(layer)
+            assert len(host) == 24 and split.host_experts_at(layer, T) == host
+        m.begin_forward()
+        for layer in shape.layer_ids:
+            x = torch.randn(T, 32, generator=g).to(torch.bfloat16)
+            w, ids = route(T, 128, 8, g)
+            before = m.stats()
+            got = m.forward_copy_path(layer, x, w, ids)
+            after = m.stats()
+            routed = set(ids.unique().tolist())
+            out = set(rig.residency.offloaded(layer))
+            host = set(split.host_experts(layer))
+            held = set(m.buffer_content(shape.position(layer) % 2).slots)
+            assert not held & host and (routed & out) - host <= held
+            assert (after.on_demand_loads + after.prefetch_hits - before.on_demand_loads - before.prefetch_hits
+                    == len((routed & out) - host))
+            want, _ = _layer_reference(rig, split, layer, x, w, ids)
+            assert torch.equal(got, want)
+        m.end_forward()
+        split.check()
+        assert split.stats()["requests"] == 2
+    finally:
+        split.close()
