@@ -208,8 +208,6 @@ class CpuSplit:
         self._used = {l: torch.full((e, 3), -1, dtype=torch.int32, device=self.device) for l in shape.layer_ids}
         #: the copy path's split table: its working table with the host's rows -1 (``forward_copied``)
         self._copied = {l: torch.full((e, 3), -1, dtype=torch.int32, device=self.device) for l in shape.layer_ids}
-        #: the host's experts of each layer on the device (``forward_copied`` masks their rows)
-        self._host_index = {l: torch.zeros(0, dtype=torch.int64, device=self.device) for l in shape.layer_ids}
         #: the home tables (the manager's, persistent), given by ``update_layer``
         self._home: dict[int, torch.Tensor] = {}
         self._never = NEVER
@@ -283,8 +281,6 @@ class CpuSplit:
         if self._cuda:  # pinned + async: a pageable copy would wait for the running pass
             src = src.pin_memory()
         self._split[layer].copy_(src, non_blocking=self._cuda)
-        index = torch.tensor(mine, dtype=torch.int64)
-        self._host_index[layer] = index.pin_memory().to(self.device, non_blocking=True) if self._cuda else index
         self._host_experts[layer] = mine
 
     # ------------------------------------------------------------------ the gates
@@ -441,9 +437,8 @@ class CpuSplit:
         not open (it agrees with ``host_experts_at``, which the caller asked), on ``table``
         whole: the host's experts then read in place, still right."""
         self._check_ready(layer)
-        masked = self._copied[layer]
-        masked.copy_(table)
-        masked[self._host_index[layer]] = -1
+        split = self._split[layer]  # -1 exactly on the host's rows (_write_split), in stream order
+        masked = torch.where(split == -1, split, table, out=self._copied[layer])
         return self._split_pass(layer, x, topk_weights, topk_ids, masked, table, gpu_compute)
 
     def _check_ready(self, layer: int) -> None:
