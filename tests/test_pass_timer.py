@@ -181,7 +181,7 @@ def _step_timing(monkeypatch, tmp_path, refit_rounds: int, dump_s: float):
     stand-ins for the controller (trace at ``tmp_path/e_trace.jsonl``) and the scheduler."""
     st = elastic._StepTiming
     for name, value in (("clock", None), ("last", None), ("before_last", False), ("reads_key", None),
-                        ("reads", 0.0), ("rounds", 0), ("pending", None), ("gpu_pending", []),
+                        ("reads", 0.0), ("batch_now", None), ("rounds", 0), ("pending", None), ("gpu_pending", []),
                         ("passes_pending", []), ("mem_pending", []), ("REFIT_ROUNDS", refit_rounds), ("DUMP_S", dump_s), ("dumped", 0.0)):
         monkeypatch.setattr(st, name, value)
     timer = pass_timer.PassTimer(FakeEvent, memory=FakeMemory())
@@ -189,7 +189,8 @@ def _step_timing(monkeypatch, tmp_path, refit_rounds: int, dump_s: float):
     now = [0.0]
     monkeypatch.setattr(elastic.time, "monotonic", lambda: now[0])
     adjuster = SimpleNamespace(cost=CostModel(expert_ms=0.3, base_ms=5.9, per_request_ms=0.17), last_seq=0,
-                               in_flight=(), offloaded_token_probabilities=lambda: [])
+                               in_flight=(), offloaded_token_probabilities=lambda: [],
+                               token_probabilities=lambda: [])
     ctl = SimpleNamespace(adjuster=adjuster, trace_path=str(tmp_path / "e_trace.jsonl"))
     return st, timer, now, ctl, SimpleNamespace(tp_group=SimpleNamespace(world_size=1))
 

@@ -33,10 +33,11 @@ def _batch(kind: str, size: int):
 def timing(monkeypatch):
     st = elastic._StepTiming
     for name, value in (("clock", None), ("last", None), ("before_last", False), ("reads_key", None),
-                        ("reads", 0.0), ("rounds", 0), ("pending", None)):
+                        ("reads", 0.0), ("batch_now", None), ("rounds", 0), ("pending", None)):
         monkeypatch.setattr(st, name, value)
     adjuster = SimpleNamespace(cost=CostModel(expert_ms=0.3, base_ms=5.9, per_request_ms=0.17), last_seq=0,
-                               in_flight=(), offloaded_token_probabilities=lambda: [])
+                               in_flight=(), offloaded_token_probabilities=lambda: [],
+                               token_probabilities=lambda: [])
     ctl = SimpleNamespace(adjuster=adjuster, trace_path=None)
     scheduler = SimpleNamespace(tp_group=SimpleNamespace(world_size=1))
     now = [0.0]
@@ -118,13 +119,14 @@ def test_the_cpu_split_scales_the_floor_on_a_reads_price(monkeypatch, gpu_share,
 
     st = elastic._StepTiming
     for name, value in (("clock", None), ("last", None), ("before_last", False), ("reads_key", None),
-                        ("reads", 0.0), ("rounds", 0), ("pending", None), ("REFIT_ROUNDS", 64)):
+                        ("reads", 0.0), ("batch_now", None), ("rounds", 0), ("pending", None), ("REFIT_ROUNDS", 64)):
         monkeypatch.setattr(st, name, value)
     split = None if gpu_share is None else SimpleNamespace(gpu_read_share=lambda: gpu_share)
     monkeypatch.setattr(rt, "active", lambda: SimpleNamespace(cpu_split=split))
     ps = [1 / 15] * 48
     adjuster = SimpleNamespace(cost=CostModel(expert_ms=0.3, base_ms=5.9, per_request_ms=0.17), last_seq=0,
-                               in_flight=(), offloaded_token_probabilities=lambda: ps)
+                               in_flight=(), offloaded_token_probabilities=lambda: ps,
+                               token_probabilities=lambda: [])
     ctl = SimpleNamespace(adjuster=adjuster, trace_path=None)
     scheduler = SimpleNamespace(tp_group=SimpleNamespace(world_size=1))
     now = [0.0]
@@ -135,3 +137,38 @@ def test_the_cpu_split_scales_the_floor_on_a_reads_price(monkeypatch, gpu_share,
         now[0] += step_s
     assert len(st.clock) == 62  # the first two rounds are not steps
     assert adjuster.cost.expert_ms == pytest.approx(want)
+
+
+def test_the_fit_is_the_resident_curves_tangent_at_the_batch_now(monkeypatch):
+    """Given every expert's routing probabilities the clock fits the resident step as a
+    curve in the experts a batch routes to, and the line it hands the adjuster is that
+    curve's tangent at the last decode round's batch (cost.py StepClock)."""
+    from rimuru_patches.unified_pool import runtime as rt
+    from sglang_rimuru.adjuster.cost import RoutedExperts
+
+    st = elastic._StepTiming
+    for name, value in (("clock", None), ("last", None), ("before_last", False), ("reads_key", None),
+                        ("reads", 0.0), ("batch_now", None), ("rounds", 0), ("pending", None),
+                        ("REFIT_ROUNDS", 64)):
+        monkeypatch.setattr(st, name, value)
+    monkeypatch.setattr(rt, "active", lambda: SimpleNamespace(cpu_split=None))
+    w = [1.0 / (i + 1) for i in range(60)]
+    probs = [4 * x / sum(w) for x in w] * 24  # 24 layers, top-4 of 60, Zipf-like
+    routed = RoutedExperts(probs)
+    adjuster = SimpleNamespace(cost=CostModel(expert_ms=0.3, base_ms=5.9, per_request_ms=0.17), last_seq=0,
+                               in_flight=(), offloaded_token_probabilities=lambda: [],
+                               token_probabilities=lambda: probs)
+    ctl = SimpleNamespace(adjuster=adjuster, trace_path=None)
+    scheduler = SimpleNamespace(tp_group=SimpleNamespace(world_size=1))
+    now = [0.0]
+    monkeypatch.setattr(elastic.time, "monotonic", lambda: now[0])
+    resident_ms = lambda b: 3.0 + 0.01 * routed(b)  # noqa: E731
+    for i in range(64):
+        b = 1 + i % 40
+        st.round(scheduler, ctl, _batch("decode", b))
+        now[0] += resident_ms(b) / 1e3
+    cost = adjuster.cost
+    assert st.batch_now == 24 and st.clock.tangent_at == 24
+    assert cost.per_request_ms == pytest.approx(0.01 * routed.slope(24), rel=1e-6)
+    assert cost.base_ms + 24 * cost.per_request_ms == pytest.approx(resident_ms(24), rel=1e-6)
+    assert cost.expert_ms == 0.3  # nothing read: the prior's price

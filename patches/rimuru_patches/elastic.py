@@ -292,6 +292,7 @@ class _StepTiming:
     before_last = False  # the round before that was a decode round too
     reads_key: tuple | None = None  # (last order seq, orders in flight, batch) of ``reads``
     reads = 0.0
+    batch_now: int | None = None  # the last decode round's batch: the fit's line is the tangent there
     rounds = 0
     pending: list | None = None  # [batch, ms, reads] timed since the last dump (with a trace)
     gpu_pending: list = []  # [batch, GPU ms] of decode passes since the last dump (with a trace, on CUDA)
@@ -302,12 +303,15 @@ class _StepTiming:
     def round(cls, scheduler, ctl, batch) -> None:
         import dataclasses
 
-        from sglang_rimuru.adjuster.cost import StepClock, step_record_path
+        from sglang_rimuru.adjuster.cost import RoutedExperts, StepClock, step_record_path
 
         adjuster = ctl.adjuster
         cost = adjuster.cost
         if cls.clock is None:
-            cls.clock = StepClock(prior=(cost.base_ms, cost.per_request_ms, cost.expert_ms))
+            # the resident step grows with the distinct experts a batch routes to, not the batch
+            # (cost.py StepClock): the line the adjuster prices with is that curve's tangent
+            cls.clock = StepClock(prior=(cost.base_ms, cost.per_request_ms, cost.expert_ms),
+                                  routed=RoutedExperts(adjuster.token_probabilities()))
         now = time.monotonic()
         decode = batch is not None and batch.forward_mode.is_decode()
         if decode and cls.last is not None and cls.before_last:
@@ -334,6 +338,8 @@ class _StepTiming:
             cls.mem_pending += timer.collect_memory()
         cls.before_last = cls.last is not None
         cls.last = (now, len(batch.reqs)) if decode else None
+        if decode:
+            cls.batch_now = len(batch.reqs)
         cls.rounds += 1
         refit = cls.rounds % cls.REFIT_ROUNDS == 0
         if (refit or now - cls.dumped >= cls.DUMP_S) and (cls.pending or cls.gpu_pending or cls.passes_pending):
@@ -351,7 +357,7 @@ class _StepTiming:
         # the CPU split leaves the GPU only its share of the offloaded reads: the floor on a
         # read's price follows (cost.py StepClock); 0 would be a split that takes them all
         share = 1.0 if split is None else max(split.gpu_read_share(), 1e-3)
-        fit = cls.clock.fit(floor_scale=share)
+        fit = cls.clock.fit(floor_scale=share, at_batch=cls.batch_now)
         group = scheduler.tp_group
         if group.world_size > 1:
             import torch.distributed as dist
@@ -366,8 +372,11 @@ class _StepTiming:
             return
         if now - cls.logged >= cls.LOG_S:  # what the evictions are priced with, now and then
             cls.logged = now
+            at = cls.clock.tangent_at
             logger.info("sglang-rimuru cost-aware adjuster: decode step %.2f ms + %.3f ms per request + %.3f ms "
-                        "per offloaded expert read (%d timed steps)%s", *fit, len(cls.clock),
+                        "per offloaded expert read (%d timed steps)%s%s", *fit, len(cls.clock),
+                        "" if at is None else f"; the line is the tangent at batch {at} to the resident step's "
+                        "curve in the experts a batch routes to",
                         "" if split is None else f"; the CPU split leaves the GPU {share:.2f} of the offloaded "
                         "experts, the floor on a read's price scaled by it")
 

@@ -394,6 +394,11 @@ class Adjuster:
 
     # ================================================================ internals
 
+    def token_probabilities(self) -> list[float]:
+        """Per-token routing probabilities of every expert of every layer, resident or not
+        (what a decode step's distinct routed experts are counted from: ``RoutedExperts``)."""
+        return [p for l in self.residency.shape.layer_ids for p in self._token_p[l]]
+
     def offloaded_token_probabilities(self) -> list[float]:
         """Per-token routing probabilities of every expert out of the pool, or on its
         way out (in-flight victims)."""

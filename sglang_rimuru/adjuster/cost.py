@@ -70,7 +70,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
-__all__ = ["CostModel", "StepClock", "step_record_path", "touched"]
+__all__ = ["CostModel", "RoutedExperts", "StepClock", "step_record_path", "touched"]
 
 
 def touched(p: float, batch: int) -> float:
@@ -257,6 +257,32 @@ class CostModel:
         return keep > (1.0 + self.margin) * ref
 
 
+class RoutedExperts:
+    """The experts, over every layer, that a decode step of ``B`` tokens is expected to
+    route to (``sum(touched(p, B))`` over every expert, resident or not), and its slope
+    in ``B``: what a decode step's MoE weight reads grow with (``StepClock``).
+
+    Each layer's experts are summed in groups of probabilities within ~5 % of each other
+    (``restored_throughput``'s grouping; ~1 % off at most) and each batch size's count is
+    kept: a fit over a window of steps asks the same few dozen sizes again and again.
+    """
+
+    def __init__(self, probabilities: Iterable[float]) -> None:
+        self._groups = _groups(sorted((min(max(p, 0.0), 1.0) for p in probabilities), reverse=True))
+        self._count: dict[int, float] = {}
+
+    def __call__(self, batch: int) -> float:
+        got = self._count.get(batch)
+        if got is None:
+            got = self._count[batch] = sum(n * touched(p, batch) for p, n in self._groups)
+        return got
+
+    def slope(self, batch: float) -> float:
+        """d/dB of the count at ``batch``: ``sum(-(1 - p) ** B * ln(1 - p))`` (0 for an
+        expert every token picks)."""
+        return sum(-n * (1.0 - p) ** batch * math.log1p(-p) for p, n in self._groups if 0.0 < p < 1.0)
+
+
 def step_record_path(trace_path: str) -> str:
     """Where a server writing its adjuster trace to ``trace_path`` records the decode steps
     its ``StepClock`` timed (the integrator writes it, bench/serving/run_one.py reads it)."""
@@ -309,13 +335,33 @@ class StepClock:
     Whatever the resident line misses lands in ``expert_ms``: a line too fast
     for this GPU (the prior on a slower card) makes reads look dearer, so the
     error leans towards keeping experts resident. Deterministic.
+
+    **The resident step is not a line in B.** At decode sizes a step is bound by
+    reading the routed experts' weights from HBM, so it grows with the distinct
+    experts the batch routes to (``RoutedExperts``), which saturate: on one H100
+    (bench/RESULTS.md, forty-fourth session, Qwen1.5 at 32 GB, skewed) the
+    resident steps of the burst's ramp (batch 1-24) fitted a line of 0.255 ms a
+    request, which put a resident step at batch 60 at 19.2 ms where the whole step,
+    15.5 offloaded reads included, took 17.9 (plain SGLang's at 28 running: 8.3
+    against the line's 11.1). The reads' price then fell to its floor (0.259 ms,
+    where that machine's reads cost ~0.5) and one more request looked 2.5x dearer
+    than it was at the batch the adjuster priced. Given ``routed`` (the count's
+    function), stage 1 fits ``base + h * routed(B)`` to the resident steps, stage 2
+    prices the reads against that curve, and ``fit(at_batch=B)`` returns the curve's
+    tangent at ``B``, the batch the adjuster prices moves around: ``CostModel``
+    keeps its line, and near ``B`` the line is the curve (a concave curve lies
+    under its tangent, so farther off the line errs dear, towards keeping).
     """
 
     MIN_STEP_MS = 1e-3  # a resident step's line must leave at least 1 us at batch 1
     MIN_SPAN = 8  # a fitted slope needs resident steps at batch sizes this far apart
     MAX_HIDDEN = 0.25  # the most of an offloaded read that compute hides (bench/RESULTS.md)
+    PRIOR_SPAN = 32  # the prior line's batch range (the probe's: runtime.STEP_PRIOR_MS), its curve's
 
-    def __init__(self, prior: tuple[float, float, float], window: int = 512, min_samples: int = 32) -> None:
+    def __init__(self, prior: tuple[float, float, float], window: int = 512, min_samples: int = 32,
+                 routed: RoutedExperts | None = None) -> None:
+        """``routed``: a ``RoutedExperts`` (the resident step's curve, class docstring);
+        without it the resident step is fitted as a line in B."""
         if window < 2 or min_samples < 2:
             raise ValueError("StepClock: window and min_samples must be >= 2")
         if len(prior) != 3:
@@ -323,6 +369,8 @@ class StepClock:
         self.prior = tuple(float(v) for v in prior)
         self.window = window
         self.min_samples = min_samples
+        self.routed = routed
+        self.tangent_at: int | None = None  # the batch the last fit's line is the curve's tangent at
         self._resident: list[tuple[int, float]] = []  # (B, ms) of steps that read nothing
         self._reading: list[tuple[int, float, float]] = []  # (B, ms, R) of the others
 
@@ -344,18 +392,57 @@ class StepClock:
         """The kept ``(B, ms, R)`` records: the resident ones, then the reading ones."""
         return [(b, t, 0.0) for b, t in self._resident] + list(self._reading)
 
-    def fit(self, floor_scale: float = 1.0) -> tuple[float, float, float]:
+    def fit(self, floor_scale: float = 1.0, at_batch: int | None = None) -> tuple[float, float, float]:
         """``(base_ms, per_request_ms, expert_ms)``; ``floor_scale`` (0, 1]: the share of
-        the offloaded experts the GPU itself reads (the CPU split's; 1 without it)."""
+        the offloaded experts the GPU itself reads (the CPU split's; 1 without it).
+        ``at_batch``: the batch the line is for, its tangent to the resident step's curve
+        there (with ``routed``, once the resident steps fit one: class docstring); else
+        the line fitted in B."""
         if not 0.0 < floor_scale <= 1.0:
             raise ValueError(f"StepClock.fit: floor_scale {floor_scale} is a share, in (0, 1]")
-        base, per = self._resident_line()
+        curve = self._resident_curve() if at_batch is not None and at_batch > 0 else None
+        self.tangent_at = at_batch if curve is not None else None  # what the last fit's line is
+        if curve is not None:
+            base_r, h = curve
+            resident = lambda b: base_r + h * self.routed(b)  # noqa: E731
+            per = h * self.routed.slope(at_batch)
+            base = resident(at_batch) - per * at_batch
+        else:
+            base, per = self._resident_line()
+            resident = lambda b: base + per * b  # noqa: E731
         exp = self.prior[2]
         reading = self._reading
         if len(reading) >= self.min_samples:
             srr = sum(r * r for _, _, r in reading)
-            exp = sum((t - base - per * b) * r for b, t, r in reading) / srr
+            exp = sum((t - resident(b)) * r for b, t, r in reading) / srr
         return base, per, max(exp, (1.0 - self.MAX_HIDDEN) * self.prior[2] * floor_scale)
+
+    def _resident_curve(self) -> tuple[float, float] | None:
+        """``(base, h)`` of ``base + h * routed(B)`` fitted to the resident steps as
+        ``_resident_line`` fits its line: least squares once ``min_samples`` of them span
+        ``MIN_SPAN`` batch sizes; with fewer or a narrower span (an all-at-once burst
+        evicts before its batch grows), the prior's curve through their mean; with none,
+        the prior's curve: the one that takes the prior line's time at batch 1 and at
+        ``PRIOR_SPAN``. None without ``routed`` or where the curve leaves no time at batch 1."""
+        r = self.routed
+        if r is None or r(self.PRIOR_SPAN) <= r(1):
+            return None
+        base0, per0, _ = self.prior
+        h = per0 * (self.PRIOR_SPAN - 1) / (r(self.PRIOR_SPAN) - r(1))
+        base = base0 + per0 - h * r(1)
+        pts = self._resident
+        n = len(pts)
+        if n:
+            xs = [r(b) for b, _ in pts]
+            mx, my = sum(xs) / n, sum(t for _, t in pts) / n
+            sxx = sum((x - mx) ** 2 for x in xs)
+            if n >= self.min_samples and max(b for b, _ in pts) - min(b for b, _ in pts) >= self.MIN_SPAN and sxx > 0:
+                h = max(0.0, sum((x - mx) * (t - my) for x, (_, t) in zip(xs, pts)) / sxx)
+            base = my - h * mx
+        base = max(0.0, base)
+        if base + h * r(1) <= self.MIN_STEP_MS:
+            return None
+        return base, h
 
     def _resident_line(self) -> tuple[float, float]:
         base0, per0, _ = self.prior

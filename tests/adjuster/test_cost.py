@@ -363,3 +363,70 @@ def test_at_a_large_batch_a_step_that_pays_gains_less_than_the_margin():
     # Qwen1.5 at 32 GB: uniform experts lose at any size, with or without the margin
     assert not QWEN15.eviction_pays(30, 1, [], [UNIFORM] * 6, margin=0.0)
     assert not QWEN15.eviction_pays(30, 8, [], [UNIFORM] * 40, KV_PER_REQUEST, KV_PER_EXPERT, margin=0.0)
+
+
+def test_routed_experts_counts_and_slope():
+    from sglang_rimuru.adjuster.cost import RoutedExperts
+
+    routed = RoutedExperts([0.5, 0.5, 1.0, 0.0])
+    assert routed(1) == pytest.approx(2.0)  # 0.5 + 0.5 + 1 + 0
+    assert routed(2) == pytest.approx(2.5)  # 0.75 + 0.75 + 1
+    assert routed.slope(2) == pytest.approx(-2 * 0.25 * math.log(0.5))  # the sure and the never add nothing
+    assert routed(0) == 0.0
+
+
+def _skewed_layer() -> list[float]:
+    """One layer of 60 experts, top-4, Zipf-like: the few hot ones saturate early."""
+    w = [1.0 / (i + 1) for i in range(60)]
+    return [4 * x / sum(w) for x in w]
+
+
+def test_step_clock_fits_the_resident_step_as_a_curve_in_routed_experts():
+    from sglang_rimuru.adjuster.cost import RoutedExperts, StepClock
+
+    # The forty-fourth session's case (bench/RESULTS.md): resident steps only on the ramp
+    # (batch 1-20), which grow with the distinct experts routed to (0.01 ms an expert),
+    # then a burst at batch 30-64 with experts out at 0.5 ms a read.
+    routed = RoutedExperts(_skewed_layer() * 24)
+    resident = lambda b: 3.0 + 0.01 * routed(b)  # noqa: E731
+    curve, line = (StepClock(prior=(5.9, 0.17, 0.34), min_samples=8, routed=routed),
+                   StepClock(prior=(5.9, 0.17, 0.34), min_samples=8))
+    for clock in (curve, line):
+        for b in range(1, 21):
+            clock.record(b, resident(b))
+        for b in range(30, 65):
+            clock.record(b, resident(b) + 0.5 * 0.2 * b, 0.2 * b)
+    base, per, exp = curve.fit(at_batch=60)
+    assert curve.tangent_at == 60
+    assert exp == pytest.approx(0.5)  # the reads priced against the curve, not a line through the ramp
+    assert per == pytest.approx(0.01 * routed.slope(60))
+    assert base + per * 60 == pytest.approx(resident(60))  # the tangent touches the curve at 60
+    # the line through the ramp overshoots the resident step at 60 and pushes the reads to the floor
+    lb, lp, le = line.fit()
+    assert lb + lp * 60 > 1.2 * resident(60) and le == pytest.approx(0.75 * 0.34)
+    # without a batch to be the tangent at, the line in B as before; without routed, too
+    assert curve.fit() == line.fit() and curve.tangent_at is None
+    assert line.fit(at_batch=60) == line.fit() and line.tangent_at is None
+
+
+def test_step_clock_curve_from_the_prior_without_resident_steps():
+    from sglang_rimuru.adjuster.cost import RoutedExperts, StepClock
+
+    # all at once: experts go out before the batch spans MIN_SPAN sizes; the prior's line
+    # becomes the curve that takes its time at batch 1 and PRIOR_SPAN
+    routed = RoutedExperts(_skewed_layer() * 24)
+    clock = StepClock(prior=(5.9, 0.17, 0.34), min_samples=8, routed=routed)
+    base, h = clock._resident_curve()
+    assert base + h * routed(1) == pytest.approx(5.9 + 0.17)
+    assert base + h * routed(StepClock.PRIOR_SPAN) == pytest.approx(5.9 + 0.17 * StepClock.PRIOR_SPAN)
+    b0, p0, e0 = clock.fit(at_batch=StepClock.PRIOR_SPAN)
+    assert (b0 + p0 * StepClock.PRIOR_SPAN, e0) == pytest.approx((5.9 + 0.17 * StepClock.PRIOR_SPAN, 0.34))
+    assert p0 < 0.17  # past the hot experts a request adds fewer new ones than the line says
+    # a few resident steps at one batch size: the prior's curve through their mean
+    for _ in range(4):
+        clock.record(3, 7.0)
+    base, h2 = clock._resident_curve()
+    assert h2 == pytest.approx(h) and base + h * routed(3) == pytest.approx(7.0)
+    # a routing in which no batch adds an expert gives no curve: the line decides
+    flat = StepClock(prior=(5.9, 0.17, 0.34), routed=RoutedExperts([1.0] * 4))
+    assert flat.fit(at_batch=10) == StepClock(prior=(5.9, 0.17, 0.34)).fit() and flat.tangent_at is None

@@ -1508,3 +1508,23 @@ def test_zero_copy_scale_takes_either_models_moe_layer():
     finally:
         zcs.set_shape("qwen3")
     assert (zcs.E, zcs.I, zcs.TOP_K, zcs.EXPERT_BYTES) == (128, 768, 8, 9 * 2**20)
+
+
+def test_step_fit_replays_a_step_record_both_ways():
+    """step_fit.py: on steps that follow the resident curve in routed experts (a ramp at
+    batch 1-20, then a burst at 30-64 reading offloaded experts at 0.5 ms), the curve's fit
+    predicts the burst's steps and the line through the ramp over-predicts them."""
+    from sglang_rimuru.adjuster.cost import RoutedExperts
+
+    sf = _serving_module("step_fit")
+    w = [1.0 / (i + 1) for i in range(60)]
+    routed = RoutedExperts([4 * x / sum(w) for x in w] * 24)
+    resident = lambda b: 3.0 + 0.01 * routed(b)  # noqa: E731
+    steps = [(1 + i % 20, resident(1 + i % 20), 0.0) for i in range(300)]
+    # the burst's batch grows slowly, as a queue's does: the tangent stays near it
+    steps += [(b, resident(b) + 0.5 * 0.2 * b, 0.2 * b) for b in (30 + i // 18 for i in range(630))]
+    res = sf.replay(steps, (5.9, 0.17, 0.34), routed, refit=256)
+    bands = {row["batch"]: row for row in res["bands"]}
+    assert bands["49-64"]["curve"] == pytest.approx(1.0, abs=0.02)
+    assert bands["49-64"]["line"] > 1.15
+    assert res["median_abs_error"]["curve"] < res["median_abs_error"]["line"]
