@@ -118,6 +118,8 @@ def price_by_batch(prior: tuple[float, float, float], records: list[dict], width
     steps (the record holds what the clock was fed), refitted at each record line as the
     server refits before it writes one, each line's steps priced with the fit before them.
     (The trace's ``cost_ms`` is written only with an order, so between orders it is stale.)
+    The clock replayed is the line in B, the server's fit before ``281aef5``; servers since
+    fit the resident step as a curve in routed experts (``step_fit.py`` replays both).
     Per bin: steps, mean measured and priced ms, their ratio (priced over measured), mean
     expected reads, the read price's range."""
     clock = StepClock(prior=prior)
