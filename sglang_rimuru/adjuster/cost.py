@@ -344,13 +344,16 @@ class StepClock:
     request, which put a resident step at batch 60 at 19.2 ms where the whole step,
     15.5 offloaded reads included, took 17.9 (plain SGLang's at 28 running: 8.3
     against the line's 11.1). The reads' price then fell to its floor (0.259 ms,
-    where that machine's reads cost ~0.5) and one more request looked 2.5x dearer
-    than it was at the batch the adjuster priced. Given ``routed`` (the count's
+    where that machine's reads cost ~0.5) and one more request looked ~4x dearer
+    than it was at the batches the adjuster priced (0.255 against ~0.06 ms at 40). Given ``routed`` (the count's
     function), stage 1 fits ``base + h * routed(B)`` to the resident steps, stage 2
     prices the reads against that curve, and ``fit(at_batch=B)`` returns the curve's
     tangent at ``B``, the batch the adjuster prices moves around: ``CostModel``
-    keeps its line, and near ``B`` the line is the curve (a concave curve lies
-    under its tangent, so farther off the line errs dear, towards keeping).
+    keeps its line, and near ``B`` the line is the curve. (A concave curve lies
+    under its tangent: farther off, the line prices a step dear, which leans an
+    eviction's larger batch towards keeping and a restore's smaller one towards
+    evicting; over the few requests one round moves, by little.) Replayed on
+    recorded runs by ``bench/serving/step_fit.py``.
     """
 
     MIN_STEP_MS = 1e-3  # a resident step's line must leave at least 1 us at batch 1
