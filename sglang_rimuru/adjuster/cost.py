@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 __all__ = ["CostModel", "RoutedExperts", "StepClock", "step_record_path", "touched"]
 
@@ -421,46 +421,40 @@ class StepClock:
         return base, per, max(exp, (1.0 - self.MAX_HIDDEN) * self.prior[2] * floor_scale)
 
     def _resident_curve(self) -> tuple[float, float] | None:
-        """``(base, h)`` of ``base + h * routed(B)`` fitted to the resident steps as
-        ``_resident_line`` fits its line: least squares once ``min_samples`` of them span
-        ``MIN_SPAN`` batch sizes; with fewer or a narrower span (an all-at-once burst
-        evicts before its batch grows), the prior's curve through their mean; with none,
-        the prior's curve: the one that takes the prior line's time at batch 1 and at
-        ``PRIOR_SPAN``. None without ``routed`` or where the curve leaves no time at batch 1."""
+        """``(base, h)`` of ``base + h * routed(B)`` fitted to the resident steps
+        (``_resident_fit``), the prior's curve being the one that takes the prior line's
+        time at batch 1 and at ``PRIOR_SPAN`` (an all-at-once burst evicts before its batch
+        spans ``MIN_SPAN``). None without ``routed``, for a routing in which no batch adds
+        an expert, or where the curve leaves no time at batch 1."""
         r = self.routed
         if r is None or r(self.PRIOR_SPAN) <= r(1):
             return None
-        base0, per0, _ = self.prior
-        h = per0 * (self.PRIOR_SPAN - 1) / (r(self.PRIOR_SPAN) - r(1))
-        base = base0 + per0 - h * r(1)
-        pts = self._resident
-        n = len(pts)
-        if n:
-            xs = [r(b) for b, _ in pts]
-            mx, my = sum(xs) / n, sum(t for _, t in pts) / n
-            sxx = sum((x - mx) ** 2 for x in xs)
-            if n >= self.min_samples and max(b for b, _ in pts) - min(b for b, _ in pts) >= self.MIN_SPAN and sxx > 0:
-                h = max(0.0, sum((x - mx) * (t - my) for x, (_, t) in zip(xs, pts)) / sxx)
-            base = my - h * mx
-        base = max(0.0, base)
-        if base + h * r(1) <= self.MIN_STEP_MS:
-            return None
-        return base, h
+        per0 = self.prior[1]
+        return self._resident_fit(r, per0 * (self.PRIOR_SPAN - 1) / (r(self.PRIOR_SPAN) - r(1)))
 
     def _resident_line(self) -> tuple[float, float]:
         base0, per0, _ = self.prior
+        if not self._resident:
+            return base0, per0
+        return self._resident_fit(lambda b: b, per0) or (base0, per0)
+
+    def _resident_fit(self, x: Callable[[int], float], slope0: float) -> tuple[float, float] | None:
+        """``(base, slope)`` of ``base + slope * x(B)`` over the resident steps: least
+        squares once ``min_samples`` of them span ``MIN_SPAN`` batch sizes; with fewer,
+        or a narrower span, ``slope0`` through their mean; with none, the prior's time
+        at batch 1 with ``slope0``. Negative terms clamp to 0; None where the fit leaves
+        no time at batch 1 (class docstring: why each)."""
+        base0, per0, _ = self.prior
+        slope, base = slope0, base0 + per0 - slope0 * x(1)
         pts = self._resident
         n = len(pts)
-        if n == 0:
-            return base0, per0
-        mx, my = sum(b for b, _ in pts) / n, sum(t for _, t in pts) / n
-        span = max(b for b, _ in pts) - min(b for b, _ in pts)
-        if n < self.min_samples or span < self.MIN_SPAN:
-            base, per = max(0.0, my - per0 * mx), per0
-        else:
-            sxx = sum((b - mx) ** 2 for b, _ in pts)
-            per = max(0.0, sum((b - mx) * (t - my) for b, t in pts) / sxx)
-            base = max(0.0, my - per * mx)
-        if base + per > self.MIN_STEP_MS:
-            return base, per
-        return base0, per0
+        if n:
+            xs = [x(b) for b, _ in pts]
+            mx, my = sum(xs) / n, sum(t for _, t in pts) / n
+            span = max(b for b, _ in pts) - min(b for b, _ in pts)
+            sxx = sum((v - mx) ** 2 for v in xs)
+            if n >= self.min_samples and span >= self.MIN_SPAN and sxx > 0:
+                slope = max(0.0, sum((v - mx) * (t - my) for v, (_, t) in zip(xs, pts)) / sxx)
+            base = my - slope * mx
+        base = max(0.0, base)
+        return (base, slope) if base + slope * x(1) > self.MIN_STEP_MS else None
