@@ -17,7 +17,7 @@ Each step timed after a refit and before the next is predicted by that fit
 (``base + per_request * B + expert_ms * R``) and compared with what it took: the
 table gives, per band of batch sizes, the median of predicted / measured for each
 way, and the last fit of each. The prior is the run's own (its log's first
-"decode step" line and "an expert costs" line); the CPU split's floor scaling is
+"decode step" line, ``out_steps.prior_of``); the CPU split's floor scaling is
 not replayed (the runs it matters for split their reads; say so when reading them).
 Needs no GPU and no SGLang.
 """
@@ -26,40 +26,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
-from card_bound import ranking_of  # noqa: E402
+from card_bound import ranking_of  # noqa: E402  (puts the checkout on sys.path)
 from decode_log import read_lines, read_log  # noqa: E402
-from offload_sweep import shape_of  # noqa: E402
+from out_steps import prior_of  # noqa: E402
+from priced_out import moe_shape_of  # noqa: E402
 from sglang_rimuru.adjuster.cost import RoutedExperts, StepClock  # noqa: E402
-from sglang_rimuru.experts import MoEShape  # noqa: E402
+from sglang_rimuru.experts import ExpertRanking  # noqa: E402
 from sglang_rimuru.experts.ranking import load_ranking  # noqa: E402
 
-PRIOR_LINE = re.compile(r"decode step ([\d.]+) ms \+ ([\d.]+) ms per request \+ ([\d.]+) ms per offloaded expert read "
-                        r"\(0 timed steps\)")
 BAND = 16
 
 
 def probabilities(run: dict) -> list[float]:
     """Every expert's per-token routing probability, over every layer, as the run's adjuster
-    read them: its ranking file, or uniform."""
-    s = shape_of(run)
+    read them (``priced_out.replay``'s ranking: its file, or uniform)."""
+    shape = moe_shape_of(run)
     path = ranking_of(run)
-    if path is None:
-        return [s.top_k / s.num_experts] * (s.num_experts * s.num_layers)
-    shape = MoEShape(layer_ids=tuple(range(s.num_layers)), num_experts=s.num_experts, hidden=s.hidden_size,
-                     inter=s.moe_intermediate_size, top_k=s.top_k, dtype=torch.bfloat16)
-    ranking = load_ranking(path, shape)
-    return [p for layer in shape.layer_ids for p in ranking.token_probabilities(layer, s.top_k)]
+    ranking = ExpertRanking.default(shape) if path is None else load_ranking(path, shape)
+    return [p for layer in shape.layer_ids for p in ranking.token_probabilities(layer, shape.top_k)]
 
 
 def replay(steps: list[tuple[int, float, float]], prior: tuple[float, float, float], routed: RoutedExperts,
@@ -95,11 +85,9 @@ def main() -> None:
     for name in args.runs:
         base = Path(name)
         run = json.loads(base.with_name(base.name + ".json").read_text())
-        log = read_log(base.with_name(base.name + ".log.gz"))
-        m = PRIOR_LINE.search(log)
-        if m is None:
+        prior = prior_of(read_log(base.with_name(base.name + ".log.gz")))
+        if prior is None:
             raise SystemExit(f"step_fit.py: {name}'s log has no prior line (not a cost-aware pool-mode run)")
-        prior = tuple(float(x) for x in m.groups())
         steps = [(int(b), float(ms), float(r)) for rec in read_lines(base.with_name(base.name + "_trace.steps.jsonl.gz"))
                  for b, ms, r in rec["steps"]]
         key = f"{base.parent.name}/{base.name}"
