@@ -1496,6 +1496,31 @@ def test_the_warmup_steps_before_the_traffic_give_each_machines_read_rate(tmp_pa
     assert wr.kernel_of("1043 resident; MoE kernel: auto -> no tuned table: other; ranking: x") is None
 
 
+def test_the_traffics_reading_steps_by_batch_band_compare_machines_whose_warmup_reads_nothing(tmp_path, capsys):
+    """warmup_reads.py --bands: the traffic's steps that read offloaded experts (not the
+    warm-up's, not the resident ones), by batch band of 16: median ms and median reads."""
+    import gzip
+
+    wr = _serving_module("warmup_reads")
+    records = [{"t": 990.0, "steps": [[1, 4.0, 0.0]] * 3},  # the warm-up: reads nothing
+               {"t": 1001.0, "steps": [[5, 6.0, 0.0], [5, 7.0, 0.5], [12, 9.0, 1.5], [14, 8.0, 1.0]]},
+               {"t": 1002.0, "steps": [[40, 13.0, 11.0], [48, 15.0, 12.0], [33, 14.0, 10.0], [49, 16.0, 19.0]]}]
+    assert wr.reading_bands(records, 1000.0) == [
+        {"batch": "1-16", "steps": 3, "median_ms": 8.0, "reads": 1.0},
+        {"batch": "33-48", "steps": 3, "median_ms": 14.0, "reads": 11.0},
+        {"batch": "49-64", "steps": 1, "median_ms": 16.0, "reads": 19.0}]
+    assert wr.reading_bands(records, 2000.0) == []  # every step before the traffic
+    base = tmp_path / "elastic32-skew-ind_r20"
+    with gzip.open(f"{base}_trace.steps.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "elastic32-skew-ind_r20.json").write_text(json.dumps(
+        {"name": "elastic32-skew-ind_r20", "model": "q15", "traffic_began_wall": 1000.0}))
+    wr.print_bands([str(base)])
+    out = capsys.readouterr().out
+    assert "| 1-16 | 33-48 | 49-64 |" in out
+    assert f"| elastic32-skew-ind_r20 | {tmp_path.name} | 8.0 / 1.0 | 14.0 / 11.0 | 16.0 / 19.0 |" in out
+
+
 def test_zero_copy_scale_takes_either_models_moe_layer():
     """bench/kernel/zero_copy_scale.py --shape: every size the script derives follows the
     layer it is pointed at (Qwen1.5-MoE-A2.7B's expert is 16.5 MiB, Qwen3-30B-A3B's 9)."""
