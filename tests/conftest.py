@@ -29,6 +29,14 @@ Server = LocalServer
 CHECKED_SGLANG = {"SGLANG_ENABLE_ASYNC_ASSERT": "1"}
 
 
+def zipf_layer(num_experts: int = 60, top_k: int = 4) -> list[float]:
+    """One MoE layer's per-token routing probabilities, Zipf-like (expert i's weight 1/(i+1),
+    scaled to sum to ``top_k``): the few hot experts saturate early in the batch. The shape
+    of Qwen1.5-MoE's layer by default."""
+    w = [1.0 / (i + 1) for i in range(num_experts)]
+    return [top_k * x / sum(w) for x in w]
+
+
 def bench_module(relpath: str):
     """A script under bench/ (not a package) loaded as a module by its path, e.g.
     ``bench_module("device/profile_decode.py")``."""

@@ -15,6 +15,7 @@ import pytest
 
 from rimuru_patches import elastic
 from sglang_rimuru.adjuster.cost import CostModel, step_record_path
+from tests.conftest import zipf_layer
 
 
 class _Mode:
@@ -152,8 +153,7 @@ def test_the_fit_is_the_resident_curves_tangent_at_the_batch_now(monkeypatch):
                         ("REFIT_ROUNDS", 64)):
         monkeypatch.setattr(st, name, value)
     monkeypatch.setattr(rt, "active", lambda: SimpleNamespace(cpu_split=None))
-    w = [1.0 / (i + 1) for i in range(60)]
-    probs = [4 * x / sum(w) for x in w] * 24  # 24 layers, top-4 of 60, Zipf-like
+    probs = zipf_layer() * 24  # 24 layers, top-4 of 60
     routed = RoutedExperts(probs)
     adjuster = SimpleNamespace(cost=CostModel(expert_ms=0.3, base_ms=5.9, per_request_ms=0.17), last_seq=0,
                                in_flight=(), offloaded_token_probabilities=lambda: [],

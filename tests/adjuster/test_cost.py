@@ -7,6 +7,7 @@ import math
 import pytest
 
 from sglang_rimuru.adjuster.cost import CostModel, touched
+from tests.conftest import zipf_layer
 
 #: Qwen1.5-MoE-A2.7B on the H200: 3 x 2048 x 1408 bf16 per expert, read in place at
 #: 51.2 GB/s (bench/RESULTS.md); decode 3.75 ms at batch 1, 4.47 ms at 32 (graphs)
@@ -375,19 +376,13 @@ def test_routed_experts_counts_and_slope():
     assert routed(0) == 0.0
 
 
-def _skewed_layer() -> list[float]:
-    """One layer of 60 experts, top-4, Zipf-like: the few hot ones saturate early."""
-    w = [1.0 / (i + 1) for i in range(60)]
-    return [4 * x / sum(w) for x in w]
-
-
 def test_step_clock_fits_the_resident_step_as_a_curve_in_routed_experts():
     from sglang_rimuru.adjuster.cost import RoutedExperts, StepClock
 
     # The forty-fourth session's case (bench/RESULTS.md): resident steps only on the ramp
     # (batch 1-20), which grow with the distinct experts routed to (0.01 ms an expert),
     # then a burst at batch 30-64 with experts out at 0.5 ms a read.
-    routed = RoutedExperts(_skewed_layer() * 24)
+    routed = RoutedExperts(zipf_layer() * 24)
     resident = lambda b: 3.0 + 0.01 * routed(b)  # noqa: E731
     curve, line = (StepClock(prior=(5.9, 0.17, 0.34), min_samples=8, routed=routed),
                    StepClock(prior=(5.9, 0.17, 0.34), min_samples=8))
@@ -414,7 +409,7 @@ def test_step_clock_curve_from_the_prior_without_resident_steps():
 
     # all at once: experts go out before the batch spans MIN_SPAN sizes; the prior's line
     # becomes the curve that takes its time at batch 1 and PRIOR_SPAN
-    routed = RoutedExperts(_skewed_layer() * 24)
+    routed = RoutedExperts(zipf_layer() * 24)
     clock = StepClock(prior=(5.9, 0.17, 0.34), min_samples=8, routed=routed)
     base, h = clock._resident_curve()
     assert base + h * routed(1) == pytest.approx(5.9 + 0.17)

@@ -22,6 +22,7 @@ import pytest
 
 from sglang_rimuru.adjuster.cost import touched
 from sglang_rimuru.models import ensure_model
+from tests.conftest import zipf_layer
 
 pytestmark = pytest.mark.server
 
@@ -1542,8 +1543,7 @@ def test_step_fit_replays_a_step_record_both_ways():
     from sglang_rimuru.adjuster.cost import RoutedExperts
 
     sf = _serving_module("step_fit")
-    w = [1.0 / (i + 1) for i in range(60)]
-    routed = RoutedExperts([4 * x / sum(w) for x in w] * 24)
+    routed = RoutedExperts(zipf_layer() * 24)
     resident = lambda b: 3.0 + 0.01 * routed(b)  # noqa: E731
     steps = [(1 + i % 20, resident(1 + i % 20), 0.0) for i in range(300)]
     # the burst's batch grows slowly, as a queue's does: the tangent stays near it
