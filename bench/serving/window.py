@@ -205,6 +205,23 @@ def same_window(a: dict, b: dict) -> dict | None:
             "ratio_at_least": floor / ceil if ceil else None}
 
 
+def along(a: dict, b: dict, parts: int = 4) -> list[list[float]]:
+    """``[t, a's tokens over b's by t]`` at each ``parts``-th of ``same_window``'s seconds
+    (the last its end): a pair level at the window's end may have trailed on the way, as a
+    server with less KV does while both queues are full (bench/RESULTS.md, forty-fifth
+    session). [] where ``same_window`` is None; a point where ``b`` has no tokens yet is left out."""
+    w = same_window(a, b)
+    if w is None:
+        return []
+    out = []
+    for k in range(1, parts + 1):
+        t = w["seconds"] * k / parts
+        x, y = interpolate(a["timeline"]["points"], t), interpolate(b["timeline"]["points"], t)
+        if y:
+            out.append([round(t, 1), x / y])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", help="RUN_DIR/NAME of each run (NAME.json beside its log or step record)")

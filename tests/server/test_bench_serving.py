@@ -718,6 +718,33 @@ def test_plain_stopped_on_its_last_request_alone_bounds_the_whole_traffic(tmp_pa
     assert _cells(row2)[3:5] == ["~0.17x (bench_serving / decode log)", "not met"]
 
 
+def test_a_stopped_plain_pair_is_taken_over_the_same_seconds_with_its_lowest_point_on_the_way():
+    """A plain pair where both stopped at their budget (uniform 10 req/s on an H100, forty-fifth
+    session): the throughput and no-rate-below targets compare the same first seconds of the
+    traffic, not each run's mean over its own window, and say the lowest ratio at each quarter
+    of it: level at the end but trailing on the way is met over the window, below on the way."""
+    window, targets = _serving_module("window"), _serving_module("targets")
+    el = {**_run("elastic32", 32, pass_rate=1100.0), "timeline": {"points": [[20.0, 18000], [40.0, 45000],
+                                                                            [60.0, 70000], [80.0, 96000]]}}
+    base = {**_run("off32", 32, log_rate=1090.0), "timeline": {"points": [[20.0, 20000], [40.0, 48000],
+                                                                         [60.0, 72000], [90.0, 105000]]}}
+    # base at 80 s: 72000 + 33000 * 20 / 30 = 94000; el leads there, trailed 0.90x at 20 s
+    assert window.along(el, base) == [[20.0, 0.9], [40.0, 45000 / 48000], [60.0, 70000 / 72000],
+                                      [80.0, 96000 / 94000]]
+    assert window.along(el, {"timeline": {"points": []}}) == []
+    table = targets.targets_table([el, base], 3.75)
+    [tput] = _rows(table, "32 GB Qwen1.5: throughput >= 1.3x plain (skewed), 1.15x (uniform)")
+    measured = ("~1.02x over the same first 80 s of the traffic (96000 against 94000 tokens), lowest along it "
+                "0.90x at 20 s; means over each run's own window ~1.01x (pass record / decode log)")
+    assert _cells(tput)[3:5] == [measured, "not met"]
+    [floor_row] = _rows(table, "at no rate below 0.97x plain")
+    assert _cells(floor_row)[3:5] == [measured, "**met** over the window; below it (0.90x) at 20 s"]
+    # never below 0.97x on the way: the verdict alone
+    el["timeline"]["points"][0][1], el["timeline"]["points"][1][1] = 19800, 47000
+    [floor_row] = _rows(targets.targets_table([el, base], 3.75), "at no rate below 0.97x plain")
+    assert _cells(floor_row)[4] == "**met**"
+
+
 def test_the_offload_target_takes_the_setting_elastic_leads_least_over_the_same_window(tmp_path):
     """Against SGLang's offload settings that stopped, the offload target compares over the
     same first seconds (window.py), picks the setting elastic leads least there, and sets the
