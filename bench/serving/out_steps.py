@@ -14,11 +14,14 @@ written: a round's page copies share PCIe and the GPU with the steps after it.
 With the run's log beside, it also sets every decode step against the adjuster's price of it
 when it ran (base + per request x B + expert x expected reads: its ``StepClock`` replayed on the
 record from the logged start), by batch: the whole price the policy weighs, on every run, a card
-that never holds every expert (24 GB: no resident line above) included (``price_by_batch``).
+that never holds every expert (24 GB: no resident line above) included (``price_by_batch``;
+where the log says the server fitted the resident step as a curve in routed experts, that
+curve, from the run's ranking in NAME.json).
 
 Limits, said in the output too: the step record is flushed every second or so with no time a
 step, so each step gets the out set at its record's flush; a round inside a record's span is
-placed after steps it may have preceded. No GPU, no SGLang; numpy.
+placed after steps it may have preceded. No GPU, no SGLang; numpy (and torch for a curve run's
+ranking).
 """
 
 from __future__ import annotations
@@ -112,25 +115,29 @@ def prior_of(log: str) -> tuple[float, float, float] | None:
     return tuple(map(float, m.groups())) if m else None
 
 
-def price_by_batch(prior: tuple[float, float, float], records: list[dict], width: int = 20) -> list[dict]:
+def price_by_batch(prior: tuple[float, float, float], records: list[dict], width: int = 20,
+                   routed=None) -> list[dict]:
     """Each decode step of the record against the price the adjuster held when it ran, in
     batch bins ``width`` wide: the server's ``StepClock`` replayed from ``prior`` on the same
     steps (the record holds what the clock was fed), refitted at each record line as the
     server refits before it writes one, each line's steps priced with the fit before them.
     (The trace's ``cost_ms`` is written only with an order, so between orders it is stale.)
-    The clock replayed is the line in B, the server's fit before ``281aef5``; servers since
-    fit the resident step as a curve in routed experts (``step_fit.py`` replays both).
+    Without ``routed`` the clock replayed is the line in B, the server's fit before
+    ``281aef5``; with it (a ``RoutedExperts``: servers since, whose log says "the line is the
+    tangent at batch N") the resident step is the curve in routed experts and each fit is its
+    tangent at the last batch timed, as the server's is at the last decode batch.
     Per bin: steps, mean measured and priced ms, their ratio (priced over measured), mean
     expected reads, the read price's range."""
-    clock = StepClock(prior=prior)
-    fit = clock.fit()
+    clock = StepClock(prior=prior, routed=routed)
+    fit, last = clock.fit(), None
     bins: dict[int, list[tuple[float, float, float, float]]] = {}
     for rec in records:
         base, per, expert = fit
         for b, ms, r in rec.get("steps", []):
             bins.setdefault(b // width * width, []).append((ms, base + per * b + expert * r, r, expert))
             clock.record(b, ms, r)
-        fit = clock.fit()
+            last = b
+        fit = clock.fit(at_batch=last if routed is not None else None)
     rows = []
     for lo in sorted(bins):
         v = bins[lo]
@@ -141,6 +148,23 @@ def price_by_batch(prior: tuple[float, float, float], records: list[dict], width
                      "reads": round(sum(x[2] for x in v) / len(v), 1),
                      "read_price_ms": [round(min(x[3] for x in v), 3), round(max(x[3] for x in v), 3)]})
     return rows
+
+
+#: a server that fits the resident step as a curve in routed experts logs its line so (281aef5 on)
+TANGENT = "the line is the tangent at batch"
+
+
+def routed_of(run_name: str):
+    """The run's ``RoutedExperts`` (its ranking, or uniform), from NAME.json beside the trace:
+    what the server's curve counted. Needs torch (``step_fit``), which only such runs ask for."""
+    from step_fit import probabilities  # noqa: PLC0415  (step_fit imports this module)
+
+    from sglang_rimuru.adjuster.cost import RoutedExperts  # noqa: PLC0415
+
+    path = Path(run_name + ".json")
+    if not path.exists():
+        raise SystemExit(f"out_steps: {run_name}'s server fitted a curve in routed experts; its replay needs {path}")
+    return RoutedExperts(probabilities(json.loads(path.read_text())))
 
 
 def main() -> None:
@@ -163,7 +187,9 @@ def main() -> None:
     log_path = find(".log", required=False)
     prior = prior_of(read_log(log_path)) if log_path else None
     if prior:
-        res["price_by_batch"] = {"prior": prior, "rows": price_by_batch(prior, records)}
+        routed = routed_of(args.run) if TANGENT in read_log(log_path) else None
+        res["price_by_batch"] = {"prior": prior, "fit": "line" if routed is None else "curve",
+                                 "rows": price_by_batch(prior, records, routed=routed)}
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"{Path(args.run).name}: {res['out_steps']} decode steps with experts out at a batch the resident line "
@@ -183,8 +209,10 @@ def main() -> None:
           "be placed after steps it preceded)")
     if "price_by_batch" in res:
         base, per, expert = res["price_by_batch"]["prior"]
+        shape = ("the resident step a curve in routed experts, priced at its tangent"
+                 if res["price_by_batch"]["fit"] == "curve" else "the resident step a line in B")
         print(f"each decode step against the adjuster's price when it ran (its StepClock replayed on the record from "
-              f"the logged start, {base} ms + {per} ms a request + {expert} ms a read):")
+              f"the logged start, {base} ms + {per} ms a request + {expert} ms a read; {shape}):")
         print("| batch | steps | measured ms | priced ms | priced / measured | expected reads | read price ms |")
         print("|---|---|---|---|---|---|---|")
         for row in res["price_by_batch"]["rows"]:

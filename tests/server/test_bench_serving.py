@@ -543,6 +543,46 @@ def test_out_steps_sets_every_step_beside_the_price_the_adjuster_held_then(tmp_p
     assert "| 100-119 | 27 | 400.8 | 378.8 | 0.95x | 1057.5 | 0.252-0.35 |" in out.stdout
 
 
+def test_out_steps_replays_the_curve_where_the_server_fitted_one(tmp_path):
+    """price_by_batch with the run's RoutedExperts replays the server since 281aef5: the
+    resident step a curve in routed experts, each fit its tangent at the last batch timed.
+    On steps that follow such a curve (a ramp at batch 1-20, then a burst at 30-45 reading
+    offloaded experts at 0.5 ms) the curve prices the burst at its time and the line through
+    the ramp over it; out_steps.py picks the curve from the log's own words."""
+    from sglang_rimuru.adjuster.cost import RoutedExperts
+
+    out_steps = _serving_module("out_steps")
+    routed = RoutedExperts(zipf_layer() * 24)
+    resident = lambda b: 3.0 + 0.01 * routed(b)  # noqa: E731
+    ramp = [[1 + i % 20, resident(1 + i % 20), 0.0] for i in range(300)]
+    burst = [[b, resident(b) + 0.5 * 0.2 * b, 0.2 * b] for b in (30 + i // 40 for i in range(600))]
+    records = [{"t": float(i), "steps": (ramp + burst)[i * 50:(i + 1) * 50]} for i in range(18)]
+    curve = {tuple(r["batch"]): r for r in out_steps.price_by_batch((5.9, 0.17, 0.34), records, routed=routed)}
+    line = {tuple(r["batch"]): r for r in out_steps.price_by_batch((5.9, 0.17, 0.34), records)}
+    assert curve[(40, 59)]["priced_over_measured"] == pytest.approx(1.0, abs=0.02)
+    assert line[(40, 59)]["priced_over_measured"] > 1.1
+    # the command: a log that says "the line is the tangent at batch" and the run's JSON beside
+    name = tmp_path / "elastic32-skew-ind_r20"
+    (tmp_path / "elastic32-skew-ind_r20_trace.steps.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    (tmp_path / "elastic32-skew-ind_r20_trace.jsonl").write_text("")
+    log = ("[t] sglang-rimuru cost-aware adjuster: decode step 5.90 ms + 0.170 ms per request + 0.340 ms per "
+           "offloaded expert read (0 timed steps)\n[t] sglang-rimuru cost-aware adjuster: decode step 7.93 ms + "
+           "0.047 ms per request + 0.285 ms per offloaded expert read (562 timed steps); the line is the tangent "
+           "at batch 54 to the resident step's curve in the experts a batch routes to\n")
+    (tmp_path / "elastic32-skew-ind_r20.log").write_text(log)
+    cmd = [sys.executable, str(ROOT / "bench/serving/out_steps.py"), str(name), "--out", str(tmp_path / "o.json")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode != 0 and "its replay needs" in out.stderr + out.stdout  # no JSON: no guess
+    (tmp_path / "elastic32-skew-ind_r20.json").write_text(json.dumps({"name": name.name, "model": "q15",
+                                                                      "server_args": []}))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    res = json.loads((tmp_path / "o.json").read_text())["price_by_batch"]
+    assert res["fit"] == "curve" and "priced at its tangent" in out.stdout
+    uniform = RoutedExperts([4 / 60] * 60 * 24)  # no ranking in its arguments: the default, uniform
+    assert res["rows"] == out_steps.price_by_batch((5.9, 0.17, 0.34), records, routed=uniform)
+
+
 def test_the_tail_bounds_a_stopped_runs_whole_traffic_from_its_step_record(tmp_path):
     """tail.py: with every request admitted by the cut, each running one decoded in every
     decode pass after the last prefill pass (6 here, so 7 tokens each with its prefill's);
