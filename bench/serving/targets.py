@@ -437,7 +437,8 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
                     measured = (f"~{w['ratio']:.2f}x over the same first {w['seconds']:.0f} s of the traffic "
                                 f"({w['tokens']} against {w['other_tokens']} tokens), lowest along it {lo:.2f}x "
                                 f"at {lo_t:.0f} s; means over each run's own window {measured}")
-                    x, dip = w["ratio"], f" over the window; below it ({lo:.2f}x) at {lo_t:.0f} s"
+                    x, dip = w["ratio"], (f" over the window; below it ({lo:.2f}x) at {lo_t:.0f} s"
+                                          if lo < 0.97 else "")
                 cap = ceiling_over(base, step_ms, lens)
                 need = 1.3 if skew else 1.15
                 light, no_queue = light_load(base, cap, need), never_queued(base)
@@ -454,7 +455,7 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
                     tpot = el["bench"]["median_tpot_ms"] / base["bench"]["median_tpot_ms"]
                     t.add(LIGHT, where, pair, f"TPOT {tpot:.2f}x", verdict(tpot, 1.05, False))
                 floor_verdict = bound_verdict(bound, 0.97) or verdict(x, 0.97, True)
-                if dip and x >= 0.97 > lo and not bound_verdict(bound, 0.97):
+                if dip and x >= 0.97 and not bound_verdict(bound, 0.97):  # trailed 0.97x on the way
                     floor_verdict += dip
                 t.add(FLOOR, where, pair, measured + whole, floor_verdict)
             offload = offload_elsewhere(by_traffic, traffic)

@@ -86,14 +86,20 @@ def kernel_of(log: str) -> str | None:
     return m.group(1) if m else None
 
 
-def warmup_rate(run: dict, base: Path) -> dict | None:
-    """The run's warm-up figures, or None where it has no step record or no traffic start."""
+def step_record(run: dict, base: Path) -> tuple[list[dict], float] | None:
+    """A stored run's step record and its traffic's start, or None without either."""
     steps_path = base.with_name(base.name + "_trace.steps.jsonl.gz")
     if not steps_path.exists():
         return None
     records = read_lines(steps_path)
     began = began_of(run, base, records)
-    w = lone_warmup(records, began) if began is not None else None
+    return None if began is None else (records, began)
+
+
+def warmup_rate(run: dict, base: Path) -> dict | None:
+    """The run's warm-up figures, or None where it has no step record or no traffic start."""
+    got = step_record(run, base)
+    w = lone_warmup(*got) if got else None
     if w is None:
         return None
     log_path = base.with_name(base.name + ".log.gz")
@@ -105,12 +111,8 @@ def warmup_rate(run: dict, base: Path) -> dict | None:
 
 def bands_of(run: dict, base: Path) -> list[dict]:
     """``reading_bands`` of a stored run ([] without a step record or a traffic start)."""
-    steps_path = base.with_name(base.name + "_trace.steps.jsonl.gz")
-    if not steps_path.exists():
-        return []
-    records = read_lines(steps_path)
-    began = began_of(run, base, records)
-    return reading_bands(records, began) if began is not None else []
+    got = step_record(run, base)
+    return reading_bands(*got) if got else []
 
 
 def print_bands(names: list[str]) -> None:
