@@ -10,8 +10,10 @@ requests want every expert in HBM (a short step), many want KV (more of them at 
 Each phase is one ``bench_serving`` run against the same server, Poisson arrivals at its
 rate, its prompts from its own slice of the ShareGPT file (the slices are disjoint and
 contiguous, sized by each phase's count, so no phase finds an earlier phase's prompt in the
-radix cache). Between phases the server keeps running; bench_serving's own start (~25 s
-on the H200) is a quiet gap, as between real bursts.
+radix cache). Between phases the server keeps running; bench_serving's own start is a
+quiet gap, as between real bursts: its tokenizer, data and warmup request, a few seconds,
+since the forty-sixth session's ``warm_bench.py`` imported SGLang beside the server's start
+(~25 s on the H200 before, imports included: the phased runs stored until then).
 
 Aggregates are over every request of every phase, from bench_serving's per-request
 details (``--output-details``): TTFT, and TPOT as bench_serving defines it (time after

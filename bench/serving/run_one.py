@@ -14,7 +14,9 @@ sampling, no grammar backend). In elastic mode it adds ``--rimuru-adjuster-trace
 
 Traffic: SGLang's ``bench_serving`` with the ShareGPT file of ``../shared/data``
 (bench_serving's sampling, ``--seed 1``, context 8192, the Qwen tokenizer of the model
-directory), Poisson arrivals at ``--rate``. While it runs: nvidia-smi every 0.5 s (the
+directory), Poisson arrivals at ``--rate``; its process (``warm_bench.py``, one a phase) starts
+with the server and imports SGLang while the server starts, so that the traffic follows the
+server's readiness by its tokenizer, data and warmup request alone. While it runs: nvidia-smi every 0.5 s (the
 GPU's and each process's memory), and the server log for running/queued requests.
 
 Writes OUT_DIR/NAME.json: bench_serving's summary, peak running and queued requests,
@@ -308,14 +310,36 @@ def rank_traces(trace: Path, rank0: list[dict] | None) -> dict | None:
 MAIN_RUN = "Starting main benchmark run"
 
 
-def bench_serving(cmd: list[str], timeout: float, began: list) -> tuple[str, str]:
-    """Runs bench_serving's ``cmd`` to its end or ``timeout`` (then ``TimeoutExpired``, the
-    child killed, as ``subprocess.run`` does); returns its stdout and stderr. Appends to
-    ``began`` the wall time its requests began, read from its ``MAIN_RUN`` line as it is
-    printed: it spends ~25 s loading its tokenizer and data and on a warmup request first,
-    and a rate taken from its launch counts that as serving time."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+def warm_bench() -> subprocess.Popen:
+    """A bench_serving process importing SGLang now (``warm_bench.py``: ~20 s on the device),
+    beside the server's start, waiting for ``bench_serving`` to hand it its arguments."""
+    return subprocess.Popen([sys.executable, str(Path(__file__).with_name("warm_bench.py"))],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})  # each line as printed
+
+
+def end_unused(hosts: list) -> None:
+    """Kill the ``warm_bench`` processes the traffic did not use (a run stopped or failed first)."""
+    for proc in hosts:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def bench_serving(argv: list[str], timeout: float, began: list, proc: subprocess.Popen | None = None
+                  ) -> tuple[str, str]:
+    """Runs bench_serving with ``argv`` in ``proc`` (a ``warm_bench``; a new one if None) to its
+    end or ``timeout`` (then ``TimeoutExpired``, the child killed, as ``subprocess.run`` does);
+    returns its stdout and stderr. Appends to ``began`` the wall time its requests began, read
+    from its ``MAIN_RUN`` line as it is printed: it loads its tokenizer and data and sends a
+    warmup request first (~5 s once imported), and a rate taken from its launch counts that
+    as serving time."""
+    proc = warm_bench() if proc is None else proc
+    try:
+        proc.stdin.write(json.dumps(argv) + "\n")
+        proc.stdin.close()
+    except BrokenPipeError:  # it died importing: its stderr says why, and no result is written
+        pass
     out_lines: list[str] = []
     err_lines: list[str] = []
 
@@ -341,16 +365,18 @@ def bench_serving(cmd: list[str], timeout: float, began: list) -> tuple[str, str
 
 
 def run_traffic(args, phases, datasets, port: str, out: Path, t0: float, results: list, bench_logs: list,
-                began: list) -> bool:
+                began: list, hosts: list | None = None) -> bool:
     """bench_serving once per phase against the server on ``port``, within ``--budget-s`` of
-    ``t0``; appends each phase's summary to ``results`` and its output to ``bench_logs``, and
-    to ``began`` the wall time the first phase's requests began. Returns whether the budget
-    stopped the traffic."""
+    ``t0``, phase ``i`` in ``hosts[i]`` (``warm_bench`` processes started with the server; new
+    ones where None); appends each phase's summary to ``results`` and its output to
+    ``bench_logs``, and to ``began`` the wall time the first phase's requests began. Returns
+    whether the budget stopped the traffic."""
+    hosts = list(hosts or []) + [None] * (len(phases) - len(hosts or []))
     stopped = False
     for i, ((rate, num), data) in enumerate(zip(phases, datasets)):
         bench_out = out / (f"{args.name}_bench.jsonl" if not args.phases else f"{args.name}_bench_phase{i + 1}.jsonl")
         bench_out.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1",
+        cmd = ["--backend", "sglang", "--host", "127.0.0.1",
                "--port", port, "--dataset-name", "sharegpt", "--dataset-path", str(data),
                "--num-prompts", str(num), "--request-rate", str(rate), "--seed", str(args.seed),
                "--sharegpt-context-len", str(args.context_len), "--tokenizer", args.model,
@@ -359,7 +385,7 @@ def run_traffic(args, phases, datasets, port: str, out: Path, t0: float, results
         try:
             if left <= 0:
                 raise subprocess.TimeoutExpired(cmd, 0)
-            stdout, stderr = bench_serving(cmd, left, began)
+            stdout, stderr = bench_serving(cmd, left, began, hosts[i])
             bench_logs.append(stdout[-3000:] + stderr[-2000:])
         except subprocess.TimeoutExpired:
             stopped = True
@@ -446,7 +472,13 @@ def main() -> None:
         if args.card_gb <= 0:
             raise SystemExit("--card-cap needs --card-gb above 0")
         env["SGLANG_RIMURU_CARD_MIB"] = str(int(args.card_gb * 1024))
-    srv = start_local_server([*flags, *server_args], log_path, timeout=600, env=env)
+    # bench_serving's imports, one process per phase, while the server starts (warm_bench.py)
+    hosts = [warm_bench() for _ in phases]
+    try:
+        srv = start_local_server([*flags, *server_args], log_path, timeout=600, env=env)
+    except BaseException:
+        end_unused(hosts)
+        raise
     sampler.watch(srv.proc.pid)  # from here on (the weights are loaded: what stays resident)
     ready_s = time.time() - t_launch
     port = srv.url.rsplit(":", 1)[1]
@@ -457,12 +489,14 @@ def main() -> None:
     # the server has logged so far are still written, marked "cut"
     signal.signal(signal.SIGTERM, _cut)
     try:
-        stopped = run_traffic(args, phases, datasets, port, out, t0, results, bench_logs, began)
+        stopped = run_traffic(args, phases, datasets, port, out, t0, results, bench_logs, began, hosts)
     except _Cut:
         stopped = cut = True
         if len(results) < len(phases):
             results.append({})  # the phase it was in
         bench_logs.append(f"cut by SIGTERM after {time.time() - t0:.0f} s of traffic")
+    finally:
+        end_unused(hosts)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     bench_log = "\n".join(bench_logs)
     traffic_s = time.time() - t0

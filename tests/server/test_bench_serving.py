@@ -1084,13 +1084,17 @@ def test_a_run_cut_by_its_calls_time_still_writes_what_it_measured(tmp_path, mon
         Path(log_path).write_text(CAP_LOG)
         return FakeServer()
 
-    def traffic(args, phases, datasets, port, out, t0, results, bench_logs, began=None):
+    def traffic(args, phases, datasets, port, out, t0, results, bench_logs, began=None, hosts=None):
+        assert hosts == ["host"]  # one warm bench_serving a phase, started beside the server
         os.kill(os.getpid(), signal.SIGTERM)  # what `timeout` sends
         time.sleep(5)
         raise AssertionError("SIGTERM did not stop the traffic")
 
     monkeypatch.setattr(run_one, "start_local_server", start)
     monkeypatch.setattr(run_one, "run_traffic", traffic)
+    monkeypatch.setattr(run_one, "warm_bench", lambda: "host")
+    monkeypatch.setattr(run_one, "end_unused", lambda hosts: ended.extend(hosts))
+    ended: list = []
     monkeypatch.setattr(run_one.GpuSampler, "_sample_gpu", lambda self, t0: None)
     monkeypatch.setattr(sys, "argv", ["run_one.py", "--name", "q3elastic32d_cap", "--model", "m", "--card-gb", "32",
                                       "--card-cap", "--dataset", str(data), "--out", str(out), "--budget-s", "60",
@@ -1101,10 +1105,39 @@ def test_a_run_cut_by_its_calls_time_still_writes_what_it_measured(tmp_path, mon
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     res = json.loads((out / "q3elastic32d_cap.json").read_text())
     assert FakeServer.stopped and res["cut"] is True and res["stopped_at_budget"] is True
+    assert ended == ["host"]  # the cut traffic's unused bench_serving is not left behind
     assert res["bench"] == {} and res["all_completed"] is False
     assert res["log"]["peak_running"] == 11
     assert res["card_cap_log"]["outside_mib_max"] == 1191.6
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_bench_serving_runs_in_a_process_that_imported_it_beside_the_servers_start(tmp_path, monkeypatch):
+    """run_one.py starts one warm_bench.py a phase with the server: it imports bench_serving's
+    module then (~20 s of SGLang on the device) and runs its command line with the arguments
+    handed over later; one the traffic never used is killed, not left behind. Here a stand-in
+    ``sglang.benchmark.serving`` (first on the path) records what it was given."""
+    run_one = _serving_module("run_one")
+    stub = tmp_path / "stub" / "sglang" / "benchmark"
+    stub.mkdir(parents=True)
+    (stub.parent / "__init__.py").write_text("")
+    (stub / "__init__.py").write_text("")
+    (stub / "serving.py").write_text(
+        "import sys, time\n"
+        "IMPORTED = time.time()\n"
+        "def cli_main():\n"
+        f"    print('{run_one.MAIN_RUN}', flush=True)\n"
+        "    print('argv', sys.argv[1:], 'waited', time.time() - IMPORTED > 0.5)\n")
+    monkeypatch.setenv("PYTHONPATH", f"{stub.parent.parent}:{os.environ.get('PYTHONPATH', '')}")
+    used, unused = run_one.warm_bench(), run_one.warm_bench()
+    time.sleep(1.0)  # the server's start: the hosts have imported and wait
+    began: list = []
+    out, err = run_one.bench_serving(["--port", "1", "--num-prompts", "2"], 30, began, used)
+    assert "argv ['--port', '1', '--num-prompts', '2'] waited True" in out, err
+    assert used.returncode == 0 and len(began) == 1
+    assert unused.poll() is None
+    run_one.end_unused([used, unused, None])
+    assert unused.returncode is not None and unused.returncode != 0  # killed while it waited
 
 
 def test_phased_traffic_on_cpu(tmp_path, model_dir):
