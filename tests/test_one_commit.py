@@ -106,4 +106,8 @@ def test_the_stored_runs_at_the_frozen_digest(capsys, monkeypatch):
     assert 'NOISE=1 NUM=150 RUNS=elastic24dcpuauto START_S=150 BUDGET=300 bash bench/serving/h200.sh' \
         in [ln.strip() for ln in out]
     assert out[-1].startswith("then: python3 bench/serving/report.py bench/results/device_h100_2026-12-07d/")
-    assert out[-1].endswith(" --targets") and out[-1].count(".json") == 6
+    # the six, and SGLang's offload runs stored on an H100 (any digest: no pool change touches them)
+    assert out[-1].endswith(" --targets") and out[-1].count(".json") == 9
+    assert "bench/results/device_h100_2026-12-06/offload24_16.json" in out[-1]
+    assert "bench/results/device_h100_2026-12-05f/q3offload32_50_less2560_cap.json" in out[-1]
+    assert "device_h200" not in out[-1]

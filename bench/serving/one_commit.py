@@ -11,7 +11,8 @@ one machine, which on an H100 is what pairs a pool mode with its plain run (the 
 differ too much for a pair across them; bench/README.md). A line that pairs with SGLang's own
 ``--cpu-offload-gb`` (whose path no pool change touches) names the baseline runs that stand on
 each GPU at any digest (``standing``). The last line printed is ``report.py --targets`` over
-every stored run at the digest: the tables the issue wants, once every line stands.
+every stored run at the digest and those baselines on the digest's GPUs: the tables the issue
+wants, once every line stands.
 """
 
 from __future__ import annotations
@@ -174,14 +175,20 @@ def line_status(line: Line, at_digest: list[dict], everywhere: list[dict]) -> tu
     return status, found
 
 
+def baselines(line: Line, everywhere: list[dict]) -> dict[str, dict[str, dict]]:
+    """The stored runs of LINE's baseline on its requests, by GPU and name, the latest folder's."""
+    by_gpu: dict[str, dict[str, dict]] = {}
+    if line.standing:
+        for r in everywhere:  # oldest folder first: a later one replaces it
+            if re.match(line.standing, r["name"]) and r.get("num_prompts") == requests_of(line.env):
+                by_gpu.setdefault(gpu_of(r), {})[r["name"]] = r
+    return by_gpu
+
+
 def standing(line: Line, everywhere: list[dict]) -> str:
-    """The stored runs of LINE's baseline on its requests, by GPU: ``H100: NAME (FOLDER), ...``."""
-    by_gpu: dict[str, dict[str, str]] = {}
-    for r in everywhere:
-        if re.match(line.standing, r["name"]) and r.get("num_prompts") == requests_of(line.env):
-            by_gpu.setdefault(gpu_of(r), {})[r["name"]] = Path(r["_path"]).parent.name  # the latest folder
-    return "; ".join(f"{gpu}: " + ", ".join(f"{n} ({f})" for n, f in sorted(names.items()))
-                     for gpu, names in sorted(by_gpu.items())) or "none stored"
+    """LINE's baseline runs as a line: ``H100: NAME (FOLDER), ...; H200: ...``."""
+    return "; ".join(f"{gpu}: " + ", ".join(f"{n} ({Path(r['_path']).parent.name})" for n, r in sorted(names.items()))
+                     for gpu, names in sorted(baselines(line, everywhere).items())) or "none stored"
 
 
 def main() -> None:
@@ -198,10 +205,14 @@ def main() -> None:
         print(f"{i:2d} {status:6s} {line.what}" + (f"\n          {found}" if found else ""))
         if status != "stands":
             print(f"          {command(line)}")
-    if at_digest:
+    if at_digest:  # with the SGLang offload runs stored on the GPUs the digest's runs ran on
+        gpus = {gpu_of(r) for r in at_digest}
+        paths = [r["_path"] for r in at_digest]
+        for line in LINES:
+            paths += [r["_path"] for gpu, names in baselines(line, everywhere).items() if gpu in gpus
+                      for r in names.values() if r["_path"] not in paths]
         print("then: python3 bench/serving/report.py " + " ".join(
-            str(Path(r["_path"]).relative_to(ROOT)) if Path(r["_path"]).is_relative_to(ROOT) else r["_path"]
-            for r in at_digest) + " --targets")
+            str(Path(p).relative_to(ROOT)) if Path(p).is_relative_to(ROOT) else p for p in paths) + " --targets")
 
 
 if __name__ == "__main__":

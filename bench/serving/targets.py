@@ -401,6 +401,32 @@ def ablation(systems: dict[str, list[dict]]) -> tuple[str, str, str]:
     return runs, "; ".join(cells), "measured" if len(names) == 3 else "incomplete"
 
 
+def by_digest(results: list[dict]) -> dict[str, list[str]]:
+    """Run names by the server code they ran; "*": a run from before code_digest.py, its digest
+    recovered from the commit its folder or name records (code_digest.run_digest)."""
+    digests: dict[str, list[str]] = defaultdict(list)
+    for r in results:
+        digests[r.get("code_digest") or "unknown (run before code_digest.py)"].append(
+            r["name"] + ("*" if r.get("code_digest_source") else ""))
+    return digests
+
+
+def digest_line(results: list[dict]) -> str:
+    """Which server code the runs ran. Where the pool modes ran one and only SGLang's own path
+    (mode off, ``--cpu-offload-gb``: no pool change touches it, so its runs stand from
+    another digest; bench/README.md) ran others, the line says so apart."""
+    digests = by_digest(results)
+    if len(digests) == 1:
+        return "one digest, " + "; ".join(f"`{d}`: {', '.join(names)}" for d, names in digests.items())
+    pool = by_digest([r for r in results if system_of(r) not in ("off", "offload")])
+    sglang = by_digest([r for r in results if system_of(r) in ("off", "offload")])
+    if len(pool) == 1 and sglang:
+        (d, names), = pool.items()
+        return (f"the pool modes at one digest, `{d}`: {', '.join(names)}; SGLang's own path (mode off, "
+                f"`--cpu-offload-gb`) at " + "; ".join(f"`{d}`: {', '.join(n)}" for d, n in sglang.items()))
+    return f"**{len(digests)} digests**: " + "; ".join(f"`{d}`: {', '.join(names)}" for d, names in digests.items())
+
+
 def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: Path = LENS) -> str:
     by_traffic: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     unserved, no_rate = [], []
@@ -485,15 +511,7 @@ def targets_table(results: list[dict], step_ms: float = FASTEST_STEP_MS, lens: P
     if no_rate:
         lines.append("- left out, no decode of their traffic within their window (prefill only): "
                      + "; ".join(no_rate))
-    digests: dict[str, list[str]] = defaultdict(list)
-    for r in results:
-        # "*": a run from before code_digest.py, its digest recovered from the commit its
-        # folder or name records (code_digest.run_digest), not written by the run
-        digests[r.get("code_digest") or "unknown (run before code_digest.py)"].append(
-            r["name"] + ("*" if r.get("code_digest_source") else ""))
-    lines.append("- server code (code_digest.py): " + ("one digest, " if len(digests) == 1 else
-                                                        f"**{len(digests)} digests**: ")
-                 + "; ".join(f"`{d}`: {', '.join(names)}" for d, names in digests.items()))
+    lines.append("- server code (code_digest.py): " + digest_line(results))
     if any(r.get("code_digest_source") for r in results):
         lines.append("- `*`: the run predates code_digest.py; its digest is that of the commit its folder's "
                      "CODE_DIGEST.json or its name's `_<commit>` tag records")

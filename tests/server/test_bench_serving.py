@@ -447,6 +447,13 @@ def test_targets_compare_stopped_runs_by_named_sources_and_flag_a_borrowed_ancho
     assert "**2 digests**: `aaaaaaaaaaaa`: q3offload32_34_less2560_cap, q3elastic32d_cap; " \
            "`unknown (run before code_digest.py)`: q3elastic32-skew, elastic24d-skew_ph, offload24-skew, " \
            "elastic24d-skew" in table
+    # the pool modes at one digest, SGLang's offload at others: said apart (its runs stand)
+    at_one = [r for r in rs if r["name"] in ("q3elastic32d_cap", "q3offload32_34_less2560_cap", "offload24-skew")]
+    assert targets.digest_line(at_one) == (
+        "the pool modes at one digest, `aaaaaaaaaaaa`: q3elastic32d_cap; SGLang's own path (mode off, "
+        "`--cpu-offload-gb`) at `aaaaaaaaaaaa`: q3offload32_34_less2560_cap; "
+        "`unknown (run before code_digest.py)`: offload24-skew")
+    assert targets.digest_line(at_one[:2]).startswith("one digest, `aaaaaaaaaaaa`: ")
 
 
 def test_offload_settings_of_either_routing_count_and_a_window_of_prefill_alone_is_no_rate(tmp_path):
@@ -1198,7 +1205,8 @@ def test_a_run_from_before_the_digest_gets_its_commits_marked_as_recovered(tmp_p
     assert [(r["code_digest"], r.get("code_digest_source")) for r in runs] == [
         (want, "recovered from CODE_DIGEST.json"), ("aaaaaaaaaaaa", None)]
     table = _serving_module("targets").targets_table(runs, 3.75, tmp_path / "missing.json")
-    assert f"**2 digests**: `{want}`: off32*; `aaaaaaaaaaaa`: elastic32" in table
+    assert (f"the pool modes at one digest, `aaaaaaaaaaaa`: elastic32; SGLang's own path (mode off, "
+            f"`--cpu-offload-gb`) at `{want}`: off32*") in table
     assert "- `*`: the run predates code_digest.py" in table
 
 
