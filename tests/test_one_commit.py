@@ -21,11 +21,12 @@ H100 = {"name": "NVIDIA H100 80GB HBM3", "total_mib": 81559}
 
 
 def _run(folder: Path, name: str, digest: str = "d1", num: int = 500, seed: int = 1, whole: bool = True,
-         gpu: dict = H100) -> None:
+         gpu: dict = H100, ready_s: float = 100.0, traffic_s: float = 120.0) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{name}.json").write_text(json.dumps({
         "name": name, "server_args": [], "code_digest": digest, "num_prompts": num, "seed": seed, "gpu": gpu,
-        "bench": {"output_throughput": 1000.0} if whole else {}, "cut": False}))
+        "bench": {"output_throughput": 1000.0} if whole else {}, "cut": False, "ready_s": ready_s,
+        "traffic_s": traffic_s}))
 
 
 def test_the_names_are_the_ones_h200_sh_writes():
@@ -111,3 +112,20 @@ def test_the_stored_runs_at_the_frozen_digest(capsys, monkeypatch):
     assert "bench/results/device_h100_2026-12-06/offload24_16.json" in out[-1]
     assert "bench/results/device_h100_2026-12-05f/q3offload32_50_less2560_cap.json" in out[-1]
     assert "device_h200" not in out[-1]
+
+
+def test_a_lines_device_time_comes_from_its_stored_runs_and_a_session_takes_what_fits(tmp_path):
+    """Each run as long as its latest stored run of that name and requests took (start and
+    traffic), else its START_S + BUDGET limit, plus the call's own ~60 s; a session's plan takes
+    the owed lines in order, passing over one that does not fit what is left or a call's 600 s."""
+    _run(tmp_path / "device_h100_2026-12-06", "off32_r5", digest="old", num=200, ready_s=90.0, traffic_s=80.0)
+    _run(tmp_path / "device_h100_2026-12-07a", "off32_r5", digest="old", num=200, ready_s=100.0, traffic_s=85.4)
+    _run(tmp_path / "device_h100_2026-12-07a", "elastic32_r5", digest="old", num=500)  # other requests
+    everywhere = oc.load_runs(tmp_path)
+    pair = oc.Line({"RATE": "5", "NUM": "200", "START_S": "150", "BUDGET": "80"}, ("off32", "elastic32"), "x")
+    assert oc.seconds(pair, everywhere) == (60 + 185 + 10 + 150 + 80 + 10, "by its limits: elastic32_r5; stored runs otherwise")
+    long = oc.Line({"START_S": "300", "BUDGET": "330"}, ("static24",), "y")  # 700 s: past a call
+    short = oc.Line({"START_S": "150", "BUDGET": "100"}, ("off32",), "z")  # 320 s
+    assert oc.seconds(long, everywhere)[0] == 700 and oc.seconds(short, everywhere)[0] == 320
+    assert oc.plan([(4, pair), (5, long), (6, short), (7, pair)], everywhere, 1000) == [4, 6]
+    assert oc.plan([(4, pair)], everywhere, 400) == []

@@ -1,6 +1,6 @@
 """Issue 12's one-commit list: which of its runs stand at one server code, and what is owed.
 
-    python3 bench/serving/one_commit.py bdf5365403d3 [--results bench/results]
+    python3 bench/serving/one_commit.py bdf5365403d3 [--results bench/results] [--plan SECONDS]
 
 The issue wants its tables "from runs at one commit"; a device call runs one or two systems,
 so the list spans calls and sessions, and any change to the server's code (``code_digest.py``)
@@ -12,7 +12,9 @@ differ too much for a pair across them; bench/README.md). A line that pairs with
 ``--cpu-offload-gb`` (whose path no pool change touches) names the baseline runs that stand on
 each GPU at any digest (``standing``). The last line printed is ``report.py --targets`` over
 every stored run at the digest and those baselines on the digest's GPUs: the tables the issue
-wants, once every line stands.
+wants, once every line stands. Each owed line's device time is read off its runs' latest stored
+starts and traffic (``seconds``); ``--plan`` (status's ``budget_left_s``) picks the lines a
+session takes, in order.
 """
 
 from __future__ import annotations
@@ -175,6 +177,40 @@ def line_status(line: Line, at_digest: list[dict], everywhere: list[dict]) -> tu
     return status, found
 
 
+#: what a device call spends outside its runs: h200.sh's setup (the carry's install on a fresh
+#: machine, the models' unpacking) and the tool's transfers (the forty-fifth session's three
+#: calls: 1,605 s of device time for 1,552 s of calls); bench_serving's end and the JSON after each run
+CALL_S, RUN_END_S = 60, 10
+
+
+def seconds(line: Line, everywhere: list[dict]) -> tuple[int, str]:
+    """LINE's device time: each run's start and traffic as its latest stored run of that name
+    and requests took them (any digest, any GPU), else its START_S + BUDGET limit; and how."""
+    total, guessed = CALL_S, []
+    for run in line.runs:
+        name = run_name(run, line.env)
+        past = [r for r in everywhere if matches(r, name, line.env) and r.get("ready_s") is not None]
+        if past:
+            total += round(past[-1]["ready_s"] + past[-1].get("traffic_s", 0)) + RUN_END_S
+        else:
+            total += int(line.env.get("START_S", 200)) + int(line.env.get("BUDGET", 300)) + RUN_END_S
+            guessed.append(name)
+    return total, ("by its limits: " + ", ".join(guessed) + "; " if guessed else "") + "stored runs otherwise"
+
+
+def plan(lines: list[tuple[int, Line]], everywhere: list[dict], budget_s: int, call_s: int = 600) -> list[int]:
+    """The owed lines (numbered) a session of ``budget_s`` device seconds takes, in the list's
+    order, each a call of at most ``call_s``: a line that does not fit what is left is passed
+    over for a later, shorter one."""
+    chosen, left = [], budget_s
+    for i, line in lines:
+        s, _ = seconds(line, everywhere)
+        if s <= min(left, call_s):
+            chosen.append(i)
+            left -= s
+    return chosen
+
+
 def baselines(line: Line, everywhere: list[dict]) -> dict[str, dict[str, dict]]:
     """The stored runs of LINE's baseline on its requests, by GPU and name, the latest folder's."""
     by_gpu: dict[str, dict[str, dict]] = {}
@@ -195,6 +231,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("digest", help="the server code (code_digest.py) the list is held at")
     ap.add_argument("--results", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--plan", type=int, metavar="SECONDS",
+                    help="the owed lines a session with this much device time left takes (status's budget_left_s)")
     args = ap.parse_args()
     everywhere = load_runs(Path(args.results))
     at_digest = [r for r in everywhere if r.get("code_digest") == args.digest]
@@ -204,7 +242,14 @@ def main() -> None:
     for i, (line, (status, found)) in enumerate(zip(LINES, statuses), 1):
         print(f"{i:2d} {status:6s} {line.what}" + (f"\n          {found}" if found else ""))
         if status != "stands":
-            print(f"          {command(line)}")
+            s, how = seconds(line, everywhere)
+            print(f"          {command(line)}\n          ~{s} s of device time ({how})"
+                  + (": past a call's 600 s, split it" if s > 600 else ""))
+    if args.plan is not None:
+        owed = [(i, line) for i, (line, (status, _)) in enumerate(zip(LINES, statuses), 1) if status != "stands"]
+        chosen = plan(owed, everywhere, args.plan)
+        print(f"plan for {args.plan} s: " + (", ".join(f"line {i}" for i in chosen) + f" (~{sum(seconds(LINES[i - 1], everywhere)[0] for i in chosen)} s)"
+                                             if chosen else "no owed line fits"))
     if at_digest:  # with the SGLang offload runs stored on the GPUs the digest's runs ran on
         gpus = {gpu_of(r) for r in at_digest}
         paths = [r["_path"] for r in at_digest]
