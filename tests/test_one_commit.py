@@ -99,7 +99,7 @@ def test_the_stored_runs_at_the_frozen_digest(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["one_commit.py", "bdf5365403d3"])
     oc.main()
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "one_commit: server code bdf5365403d3, 3 of 20 lines stand, 6 runs at it"
+    assert out[0] == "one_commit: server code bdf5365403d3, 3 of 21 lines stand, 6 runs at it"
     standing = [ln for ln in out if ln[3:9] == "stands"]
     assert [ln[:9] for ln in standing] == [" 1 stands", " 2 stands", " 3 stands"]
     assert out[out.index(standing[2]) + 1] == ("          device_h100_2026-12-07d (H100): off32 stopped, "

@@ -70,6 +70,8 @@ LINES = (
          "32 GB uniform 20 req/s: no worse than 0.97x plain"),
     Line({"RATE": "inf", "START_S": "175", "BUDGET": "110"}, ("off32", "elastic32"),
          "32 GB uniform, all at once: no worse than 0.97x plain"),
+    Line({"RATE": "1", "NUM": "60", "SEED": "2", "START_S": "150", "BUDGET": "100"}, ("off32", "elastic32"),
+         "32 GB uniform 1 req/s (the anchors' light load): TPOT within 5 % of plain"),
     Line({"RANKING": R, "SKEW": "1", "RATE": "1", "NUM": "60", "SEED": "2", "START_S": "150", "BUDGET": "100"},
          ("off32", "elastic32"), "32 GB skewed 1 req/s: TPOT within 5 % of plain"),
     Line({"RANKING": R, "SKEW": "1", "RATE": "5", "NUM": "200", "START_S": "150", "BUDGET": "80"},
