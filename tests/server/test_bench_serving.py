@@ -1008,24 +1008,37 @@ def test_a_stopped_run_counts_its_tokens_from_the_pass_record(tmp_path):
     assert run_one.pass_tokens(run_one.read_jsonl(tmp_path / "missing.steps.jsonl"), t_from=0.0) is None
 
 
-def test_the_traffic_begins_when_bench_serving_says_so_not_at_its_launch():
+def _stub_bench(tmp_path: Path, monkeypatch, cli_main: str) -> None:
+    """A stand-in ``sglang.benchmark.serving`` first on the path of every warm_bench.py started
+    from here on: ``cli_main`` is the body of its ``cli_main()`` (sys and time imported)."""
+    stub = tmp_path / "stub" / "sglang" / "benchmark"
+    stub.mkdir(parents=True)
+    (stub.parent / "__init__.py").write_text("")
+    (stub / "__init__.py").write_text("")
+    (stub / "serving.py").write_text("import sys, time\nIMPORTED = time.time()\ndef cli_main():\n"
+                                     + "".join(f"    {line}\n" for line in cli_main.splitlines()))
+    monkeypatch.setenv("PYTHONPATH", f"{stub.parent.parent}:{os.environ.get('PYTHONPATH', '')}")
+
+
+def test_the_traffic_begins_when_bench_serving_says_so_not_at_its_launch(tmp_path, monkeypatch):
     """run_one's bench_serving: the first requests go out one second (bench_serving's sleep)
     after it prints that its main run starts, read as the line is printed (the child's
     stdout unbuffered), not when the process starts or ends; past the timeout the child is
     killed and the start it printed is kept (a stopped run's pass record needs it)."""
     run_one = _serving_module("run_one")
-    script = ("import time; time.sleep(1.5); "
-              f"print('Warmup completed with 1 sequences. {run_one.MAIN_RUN}...'); time.sleep(%s); print('done')")
+    _stub_bench(tmp_path, monkeypatch, "time.sleep(1.5)\n"
+                f"print('Warmup completed with 1 sequences. {run_one.MAIN_RUN}...')\n"
+                "time.sleep(float(sys.argv[1]))\nprint('done')")
     began: list = []
     launched = time.time()
-    out, err = run_one.bench_serving([sys.executable, "-c", script % "1.0"], 60, began)
+    out, err = run_one.bench_serving(["1.0"], 60, began)
     ended = time.time()
     assert out.endswith("done\n") and err == ""
     assert len(began) == 1 and launched + 2.5 <= began[0] <= ended  # 1.5 s + its 1 s sleep
     began.clear()
     launched = time.time()
     with pytest.raises(subprocess.TimeoutExpired):
-        run_one.bench_serving([sys.executable, "-c", script % "60"], 4, began)
+        run_one.bench_serving(["60"], 4, began)
     assert time.time() - launched < 15  # killed at its timeout, not left to run its 60 s
     assert len(began) == 1 and launched + 2.5 <= began[0] <= launched + 6
 
@@ -1125,17 +1138,8 @@ def test_bench_serving_runs_in_a_process_that_imported_it_beside_the_servers_sta
     handed over later; one the traffic never used is killed, not left behind. Here a stand-in
     ``sglang.benchmark.serving`` (first on the path) records what it was given."""
     run_one = _serving_module("run_one")
-    stub = tmp_path / "stub" / "sglang" / "benchmark"
-    stub.mkdir(parents=True)
-    (stub.parent / "__init__.py").write_text("")
-    (stub / "__init__.py").write_text("")
-    (stub / "serving.py").write_text(
-        "import sys, time\n"
-        "IMPORTED = time.time()\n"
-        "def cli_main():\n"
-        f"    print('{run_one.MAIN_RUN}', flush=True)\n"
-        "    print('argv', sys.argv[1:], 'waited', time.time() - IMPORTED > 0.5)\n")
-    monkeypatch.setenv("PYTHONPATH", f"{stub.parent.parent}:{os.environ.get('PYTHONPATH', '')}")
+    _stub_bench(tmp_path, monkeypatch, f"print('{run_one.MAIN_RUN}', flush=True)\n"
+                "print('argv', sys.argv[1:], 'waited', time.time() - IMPORTED > 0.5)")
     used, unused = run_one.warm_bench(), run_one.warm_bench()
     time.sleep(1.0)  # the server's start: the hosts have imported and wait
     began: list = []
