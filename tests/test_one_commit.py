@@ -127,5 +127,6 @@ def test_a_lines_device_time_comes_from_its_stored_runs_and_a_session_takes_what
     long = oc.Line({"START_S": "300", "BUDGET": "330"}, ("static24",), "y")  # 700 s: past a call
     short = oc.Line({"START_S": "150", "BUDGET": "100"}, ("off32",), "z")  # 320 s
     assert oc.seconds(long, everywhere)[0] == 700 and oc.seconds(short, everywhere)[0] == 320
-    assert oc.plan([(4, pair), (5, long), (6, short), (7, pair)], everywhere, 1000) == [4, 6]
-    assert oc.plan([(4, pair)], everywhere, 400) == []
+    owed = [(4, oc.seconds(pair, everywhere)[0]), (5, 700), (6, 320), (7, oc.seconds(pair, everywhere)[0])]
+    assert oc.plan(owed, 1000) == [4, 6]
+    assert oc.plan(owed[:1], 400) == []

@@ -200,13 +200,12 @@ def seconds(line: Line, everywhere: list[dict]) -> tuple[int, str]:
     return total, ("by its limits: " + ", ".join(guessed) + "; " if guessed else "") + "stored runs otherwise"
 
 
-def plan(lines: list[tuple[int, Line]], everywhere: list[dict], budget_s: int, call_s: int = 600) -> list[int]:
-    """The owed lines (numbered) a session of ``budget_s`` device seconds takes, in the list's
-    order, each a call of at most ``call_s``: a line that does not fit what is left is passed
-    over for a later, shorter one."""
+def plan(owed: list[tuple[int, int]], budget_s: int, call_s: int = 600) -> list[int]:
+    """The owed lines, ``(number, seconds)`` in the list's order, that a session of ``budget_s``
+    device seconds takes, each a call of at most ``call_s``: a line that does not fit what is
+    left is passed over for a later, shorter one."""
     chosen, left = [], budget_s
-    for i, line in lines:
-        s, _ = seconds(line, everywhere)
+    for i, s in owed:
         if s <= min(left, call_s):
             chosen.append(i)
             left -= s
@@ -241,16 +240,16 @@ def main() -> None:
     statuses = [line_status(line, at_digest, everywhere) for line in LINES]
     print(f"one_commit: server code {args.digest}, {sum(s == 'stands' for s, _ in statuses)} of {len(LINES)} "
           f"lines stand, {len(at_digest)} runs at it")
+    owed: dict[int, int] = {}  # line number -> its device seconds
     for i, (line, (status, found)) in enumerate(zip(LINES, statuses), 1):
         print(f"{i:2d} {status:6s} {line.what}" + (f"\n          {found}" if found else ""))
         if status != "stands":
-            s, how = seconds(line, everywhere)
-            print(f"          {command(line)}\n          ~{s} s of device time ({how})"
-                  + (": past a call's 600 s, split it" if s > 600 else ""))
+            owed[i], how = seconds(line, everywhere)
+            print(f"          {command(line)}\n          ~{owed[i]} s of device time ({how})"
+                  + (": past a call's 600 s, split it" if owed[i] > 600 else ""))
     if args.plan is not None:
-        owed = [(i, line) for i, (line, (status, _)) in enumerate(zip(LINES, statuses), 1) if status != "stands"]
-        chosen = plan(owed, everywhere, args.plan)
-        print(f"plan for {args.plan} s: " + (", ".join(f"line {i}" for i in chosen) + f" (~{sum(seconds(LINES[i - 1], everywhere)[0] for i in chosen)} s)"
+        chosen = plan(list(owed.items()), args.plan)
+        print(f"plan for {args.plan} s: " + (", ".join(f"line {i}" for i in chosen) + f" (~{sum(owed[i] for i in chosen)} s)"
                                              if chosen else "no owed line fits"))
     if at_digest:  # with the SGLang offload runs stored on the GPUs the digest's runs ran on
         gpus = {gpu_of(r) for r in at_digest}

@@ -371,7 +371,6 @@ def run_traffic(args, phases, datasets, port: str, out: Path, t0: float, results
     ones where None); appends each phase's summary to ``results`` and its output to
     ``bench_logs``, and to ``began`` the wall time the first phase's requests began. Returns
     whether the budget stopped the traffic."""
-    hosts = list(hosts or []) + [None] * (len(phases) - len(hosts or []))
     stopped = False
     for i, ((rate, num), data) in enumerate(zip(phases, datasets)):
         bench_out = out / (f"{args.name}_bench.jsonl" if not args.phases else f"{args.name}_bench_phase{i + 1}.jsonl")
@@ -385,7 +384,7 @@ def run_traffic(args, phases, datasets, port: str, out: Path, t0: float, results
         try:
             if left <= 0:
                 raise subprocess.TimeoutExpired(cmd, 0)
-            stdout, stderr = bench_serving(cmd, left, began, hosts[i])
+            stdout, stderr = bench_serving(cmd, left, began, hosts[i] if hosts and i < len(hosts) else None)
             bench_logs.append(stdout[-3000:] + stderr[-2000:])
         except subprocess.TimeoutExpired:
             stopped = True
