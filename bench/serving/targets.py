@@ -421,8 +421,8 @@ def digest_line(results: list[dict]) -> str:
     pool = by_digest([r for r in results if system_of(r) not in ("off", "offload")])
     sglang = by_digest([r for r in results if system_of(r) in ("off", "offload")])
     if len(pool) == 1 and sglang:
-        (d, names), = pool.items()
-        return (f"the pool modes at one digest, `{d}`: {', '.join(names)}; SGLang's own path (mode off, "
+        (pool_digest, names), = pool.items()
+        return (f"the pool modes at one digest, `{pool_digest}`: {', '.join(names)}; SGLang's own path (mode off, "
                 f"`--cpu-offload-gb`) at " + "; ".join(f"`{d}`: {', '.join(n)}" for d, n in sglang.items()))
     return f"**{len(digests)} digests**: " + "; ".join(f"`{d}`: {', '.join(names)}" for d, names in digests.items())
 
